@@ -1,0 +1,63 @@
+"""Gradient-norm clipping by the global norm over every pipeline stage, TP shard and FSDP shard.
+
+torch's ``clip_grad_norm_`` sees only the parameters of one rank: with a pipeline it clips each
+stage by its own norm, and it cannot mix DTensors of different meshes. Here every rank sums the
+squares of its local gradient pieces, divides each piece by the number of ranks holding an
+identical copy of it, and one all-reduce over the world gives the squared global norm.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Iterable, Optional
+
+import torch
+from torch import Tensor
+
+__all__ = ["global_grad_norm", "clip_grad_norm_global"]
+
+
+def _piece_and_copies(grad: Tensor, ranks_per_stage: int) -> tuple[Tensor, int]:
+    from torch.distributed.tensor import DTensor
+
+    if isinstance(grad, DTensor):
+        shards = math.prod(grad.device_mesh.size(i) for i, p in enumerate(grad.placements) if p.is_shard())
+        return grad.to_local(), ranks_per_stage // shards
+    return grad, ranks_per_stage
+
+
+@torch.no_grad()
+def global_grad_norm(parameters: Iterable[Tensor], ranks_per_stage: int, group: Optional[object] = None) -> Tensor:
+    """The L2 norm of all gradients of the model, wherever their pieces live.
+
+    Args:
+        parameters: this rank's parameters (one pipeline stage, TP/FSDP shards).
+        ranks_per_stage: ranks that hold a piece of this rank's stage (``world_size // pp``).
+        group: the process group spanning all stages (the world by default).
+    """
+    import torch.distributed as dist
+
+    grads = [p.grad for p in parameters if p.grad is not None]
+    device = grads[0].device if grads else torch.device("cpu")
+    total = torch.zeros((), dtype=torch.float64, device=device)
+    for grad in grads:
+        piece, copies = _piece_and_copies(grad, ranks_per_stage)
+        total += piece.detach().double().pow(2).sum() / copies
+    if dist.is_available() and dist.is_initialized():
+        if dist.get_backend(group) == "gloo" and total.device.type != "cpu":
+            total = total.cpu()
+        dist.all_reduce(total, group=group)
+    return total.sqrt().to(device)
+
+
+@torch.no_grad()
+def clip_grad_norm_global(parameters: Iterable[Tensor], max_norm: float, ranks_per_stage: int,
+                          group: Optional[object] = None) -> Tensor:
+    """Scale all gradients so their global norm is at most ``max_norm`` (torch's formula); returns the norm."""
+    params = [p for p in parameters if p.grad is not None]
+    norm = global_grad_norm(params, ranks_per_stage, group)
+    coef = min(1.0, max_norm / (float(norm) + 1e-6))
+    if coef < 1.0:
+        for p in params:
+            p.grad.mul_(coef)
+    return norm

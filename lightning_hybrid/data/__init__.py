@@ -1,0 +1,5 @@
+"""Data: packed token datasets and the data modules of the recipes."""
+
+from lightning_hybrid.data.byte_text import ByteTextDataModule, PackedSequences, stdlib_text
+
+__all__ = ["ByteTextDataModule", "PackedSequences", "stdlib_text"]

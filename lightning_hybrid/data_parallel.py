@@ -1,0 +1,77 @@
+"""Data parallelism over the ``dp`` mesh dimension: FSDP2 sharding (ZeRO-3) or plain replication.
+
+``fsdp`` shards parameters, gradients and optimizer states over ``dp`` with ``fully_shard`` (one
+unit per block, then the root), all-gathering a block's weights just before it runs.
+``replicate`` keeps a full copy per rank and averages the gradients with bucketed all-reduces once
+per optimizer step (not per accumulation micro-step).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Iterable, Optional
+
+import torch
+from torch import Tensor, nn
+
+if TYPE_CHECKING:
+    from torch.distributed import ProcessGroup
+    from torch.distributed.device_mesh import DeviceMesh
+
+__all__ = ["DATA_PARALLEL_MODES", "apply_fsdp", "all_reduce_gradients"]
+
+DATA_PARALLEL_MODES = ("fsdp", "replicate")
+_BUCKET_BYTES = 25 * 1024 * 1024
+
+
+def apply_fsdp(model: nn.Module, blocks: nn.ModuleDict, dp_mesh: "DeviceMesh", reshard_after_forward: bool = True,
+               param_dtype: Optional[torch.dtype] = None, reduce_dtype: Optional[torch.dtype] = None) -> None:
+    """Shard each block and then the rest of ``model`` over ``dp_mesh`` with FSDP2.
+
+    Args:
+        model: the model or pipeline stage; its remaining parameters (embedding, norm, head) form the root unit.
+        blocks: the blocks, each its own unit so only one block's full weights exist at a time.
+        dp_mesh: the 1-D data-parallel mesh.
+        reshard_after_forward: free gathered weights after forward (re-gather in backward). Zero-bubble
+            pipeline schedules need ``False``: their separate weight-gradient pass reads the gathered weights.
+        param_dtype: compute dtype of the gathered weights (mixed precision), ``None`` keeps the storage dtype.
+        reduce_dtype: dtype of the gradient reduce-scatter, ``None`` uses ``param_dtype``.
+    """
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
+    for block in blocks.values():
+        fully_shard(block, mesh=dp_mesh, reshard_after_forward=reshard_after_forward, mp_policy=policy)
+    fully_shard(model, mesh=dp_mesh, reshard_after_forward=reshard_after_forward, mp_policy=policy)
+
+
+def _local(grad: Tensor) -> Tensor:
+    from torch.distributed.tensor import DTensor
+
+    return grad.to_local() if isinstance(grad, DTensor) else grad
+
+
+@torch.no_grad()
+def all_reduce_gradients(parameters: Iterable[Tensor], group: "ProcessGroup", world: int) -> None:
+    """Average the gradients of replicated parameters over ``group`` in buckets of about 25 MB.
+
+    DTensor gradients (tensor-parallel shards) are reduced through their local shard, which is the
+    same shard on every rank of ``group``.
+    """
+    import torch.distributed as dist
+    from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
+
+    grads = [_local(p.grad) for p in parameters if p.grad is not None]
+    buckets: dict[tuple, list[list[Tensor]]] = {}
+    for g in grads:
+        key = (g.device, g.dtype)
+        bucket_list = buckets.setdefault(key, [[]])
+        if sum(t.numel() * t.element_size() for t in bucket_list[-1]) > _BUCKET_BYTES:
+            bucket_list.append([])
+        bucket_list[-1].append(g)
+    for bucket_list in buckets.values():
+        for bucket in bucket_list:
+            flat = _flatten_dense_tensors(bucket)
+            dist.all_reduce(flat, group=group)
+            flat.div_(world)
+            for g, reduced in zip(bucket, _unflatten_dense_tensors(flat, bucket)):
+                g.copy_(reduced)

@@ -1,0 +1,114 @@
+"""Parallel sizes: validation and the 3-D DeviceMesh ``("pp", "dp", "tp")``.
+
+TP is the innermost (fastest varying) dimension, so with ``tp <= devices per node`` the ranks of a
+TP group are consecutive global ranks on one node and TP traffic stays on NVLink. DP comes next
+and PP outermost: the pipeline's point-to-point traffic is the lightest and may cross nodes.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Optional
+
+if TYPE_CHECKING:
+    from torch.distributed.device_mesh import DeviceMesh
+
+__all__ = ["ParallelDims", "divisors", "build_mesh", "MESH_DIMS"]
+
+MESH_DIMS = ("pp", "dp", "tp")
+
+
+def divisors(n: int) -> list[int]:
+    """All positive divisors of ``n`` in increasing order."""
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def _format_choices(values: list[int]) -> str:
+    return ", ".join(map(str, values[:-1])) + f" or {values[-1]}" if len(values) > 1 else str(values[0])
+
+
+@dataclass(frozen=True)
+class ParallelDims:
+    """Sizes of the pipeline, data and tensor parallel dimensions of a run.
+
+    Args:
+        tp: tensor-parallel size (inside a node).
+        pp: pipeline-parallel size (number of ranks in a pipeline).
+        dp: data-parallel size; ``None`` infers ``world_size // (tp * pp)``.
+        world_size: total number of processes.
+        devices_per_node: processes per node, to keep a TP group inside a node; ``None`` skips the check.
+
+    Raises:
+        ValueError: a size is not a positive integer or the sizes do not multiply to the world size.
+    """
+
+    tp: int
+    pp: int
+    dp: int
+    world_size: int
+
+    @classmethod
+    def resolve(cls, tp: int, pp: int, dp: Optional[int], world_size: int,
+                devices_per_node: Optional[int] = None) -> "ParallelDims":
+        for name, value in (("tp", tp), ("pp", pp)):
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"{name}={value!r} must be a positive integer")
+        if dp is not None and (not isinstance(dp, int) or isinstance(dp, bool) or dp < 1):
+            raise ValueError(f"dp={dp!r} must be a positive integer or None (inferred from the world size)")
+        if dp is None:
+            if world_size % (tp * pp):
+                fits = [d for d in divisors(world_size)]
+                raise ValueError(
+                    f"world size {world_size} is not divisible by tp*pp={tp}*{pp}={tp * pp}; "
+                    f"tp*pp must be one of {_format_choices(fits)}"
+                )
+            dp = world_size // (tp * pp)
+        if tp * pp * dp != world_size:
+            raise ValueError(
+                f"tp*pp*dp={tp}*{pp}*{dp}={tp * pp * dp} does not equal the world size {world_size}; "
+                f"set dp=None to infer it or change the number of devices"
+            )
+        if devices_per_node is not None and tp > devices_per_node and tp % devices_per_node:
+            raise ValueError(
+                f"tp={tp} spans nodes unevenly with {devices_per_node} devices per node; use a tp that divides "
+                f"{devices_per_node} ({_format_choices(divisors(devices_per_node))})"
+            )
+        return cls(tp=tp, pp=pp, dp=dp, world_size=world_size)
+
+    def check_model(self, tp_divisible: dict[str, int], num_blocks: int, stages_per_rank: int = 1) -> None:
+        """Check that the model divides over this mesh.
+
+        Raises:
+            ValueError: tp does not divide a head count, or there are fewer blocks than pipeline stages.
+        """
+        for field, value in tp_divisible.items():
+            if value % self.tp:
+                raise ValueError(
+                    f"tp={self.tp} does not divide {field}={value}; use tp in {_format_choices(divisors(value))}"
+                )
+        stages = self.pp * stages_per_rank
+        if stages > 1 and num_blocks < stages:
+            raise ValueError(
+                f"pp={self.pp} x virtual_stages={stages_per_rank} = {stages} pipeline stages but the model has only "
+                f"{num_blocks} blocks; use at most {num_blocks} stages"
+            )
+
+    def coordinates(self, global_rank: int) -> dict[str, int]:
+        """(pp, dp, tp) coordinates of a global rank in the mesh."""
+        return {"pp": global_rank // (self.dp * self.tp), "dp": (global_rank // self.tp) % self.dp,
+                "tp": global_rank % self.tp}
+
+
+def build_mesh(dims: ParallelDims, device_type: str) -> "DeviceMesh":
+    """The DeviceMesh ``("pp", "dp", "tp")`` over the default process group.
+
+    It also answers to Lightning's ``ModelParallelStrategy`` names: ``mesh["data_parallel"]`` and
+    ``mesh["tensor_parallel"]`` are the ``dp`` and ``tp`` dimensions, so a ``configure_model`` written for
+    that strategy keeps working.
+    """
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mesh = init_device_mesh(device_type, (dims.pp, dims.dp, dims.tp), mesh_dim_names=MESH_DIMS)
+    mesh["dp"]._flatten("data_parallel")
+    mesh["tp"]._flatten("tensor_parallel")
+    return mesh

@@ -1,0 +1,217 @@
+"""``CausalLM``: the LightningModule for next-token training of a Qwen2 model."""
+
+from __future__ import annotations
+
+import math
+import os
+from typing import Any, Optional, Union
+
+import torch
+from torch import Tensor
+
+import lightning.pytorch as pl
+from torchmetrics import MeanMetric
+
+from lightning_hybrid.models.config import Qwen2Config
+from lightning_hybrid.models.qwen2 import Qwen2
+from lightning_hybrid.models.spec import ParallelSpec
+
+__all__ = ["CausalLM", "split_batch", "LR_SCHEDULES"]
+
+LR_SCHEDULES = ("cosine", "linear", "constant")
+
+
+def split_batch(batch: Any) -> tuple[Tensor, Tensor]:
+    """``(input_ids, labels)`` from a dict with those keys or a 2-tuple/list.
+
+    Raises:
+        ValueError: the batch has another form.
+    """
+    if isinstance(batch, dict) and "input_ids" in batch and "labels" in batch:
+        return batch["input_ids"], batch["labels"]
+    if isinstance(batch, (tuple, list)) and len(batch) == 2:
+        return batch[0], batch[1]
+    raise ValueError(f"a batch must be a dict with 'input_ids' and 'labels' or a tuple (input_ids, labels); "
+                     f"got {type(batch).__name__}")
+
+
+def lr_lambda(step: int, warmup_steps: int, max_steps: int, schedule: str, min_lr_ratio: float) -> float:
+    """LR multiplier at ``step``: linear warmup, then cosine or linear decay to ``min_lr_ratio``, or constant."""
+    if warmup_steps > 0 and step < warmup_steps:
+        return (step + 1) / warmup_steps
+    if schedule == "constant" or max_steps <= warmup_steps:
+        return 1.0
+    progress = min(1.0, (step - warmup_steps) / max(1, max_steps - warmup_steps))
+    if schedule == "linear":
+        return 1.0 - (1.0 - min_lr_ratio) * progress
+    return min_lr_ratio + (1.0 - min_lr_ratio) * 0.5 * (1.0 + math.cos(math.pi * progress))
+
+
+class CausalLM(pl.LightningModule):
+    """Next-token training of a Qwen2-architecture model with AdamW and a warmup + decay schedule.
+
+    The model is built in ``configure_model`` on the meta device; under
+    :class:`~lightning_hybrid.HybridParallelStrategy` it is sharded before any weight is allocated, so
+    a 72B model never exists whole on one rank. Under any other strategy it is materialized and
+    initialized on the module's device with the same mesh-independent initialization.
+
+    Batches are ``{"input_ids", "labels"}`` dicts or ``(input_ids, labels)`` tuples with labels already
+    shifted (``-100`` ignored). The loss is the mean over all label tokens of the global batch.
+
+    Args:
+        model: preset name (``"tiny"``, ``"qwen2.5-72b"``, ...), a :class:`Qwen2Config`, or a folder with a
+            ``config.json``.
+        lr: peak learning rate.
+        weight_decay: AdamW weight decay, applied to matrices only (not to norms and biases).
+        betas: AdamW betas.
+        eps: AdamW epsilon.
+        warmup_steps: linear warmup steps.
+        max_steps: length of the decay; ``None`` uses the Trainer's number of optimizer steps.
+        lr_schedule: ``"cosine"``, ``"linear"`` or ``"constant"`` after warmup.
+        min_lr_ratio: final LR as a fraction of ``lr``.
+        init_seed: seed of the weight initialization; ``None`` uses the global seed (``seed_everything``).
+
+    Raises:
+        ValueError: an unknown preset or schedule.
+    """
+
+    def __init__(
+        self,
+        model: Union[str, Qwen2Config] = "tiny",
+        lr: float = 3e-4,
+        weight_decay: float = 0.1,
+        betas: tuple[float, float] = (0.9, 0.95),
+        eps: float = 1e-8,
+        warmup_steps: int = 0,
+        max_steps: Optional[int] = None,
+        lr_schedule: str = "cosine",
+        min_lr_ratio: float = 0.1,
+        init_seed: Optional[int] = None,
+    ) -> None:
+        super().__init__()
+        self.config = Qwen2Config.resolve(model)
+        if lr_schedule not in LR_SCHEDULES:
+            raise ValueError(f"lr_schedule={lr_schedule!r} is not supported; use one of {', '.join(LR_SCHEDULES)}")
+        self.save_hyperparameters(ignore=["model"])
+        self.hparams["model"] = self.config.to_dict()
+        self.model: Optional[Qwen2] = None
+        self.val_loss = MeanMetric()
+        self.test_loss = MeanMetric()
+
+    # ------------------------------------------------------------------ declared structure
+
+    def parallel_spec(self) -> ParallelSpec:
+        """The model's parts and TP plan (available before the model is built)."""
+        with torch.device("meta"):
+            return Qwen2(self._spec_config()).parallel_spec()
+
+    def _spec_config(self) -> Qwen2Config:
+        # One block is enough to read the declared structure without building the whole model.
+        values = self.config.to_dict()
+        values["num_hidden_layers"] = 1
+        return Qwen2Config(**values)
+
+    def num_blocks(self) -> int:
+        return self.config.num_hidden_layers
+
+    def init_seed(self) -> int:
+        if self.hparams.init_seed is not None:
+            return int(self.hparams.init_seed)
+        return int(os.environ.get("PL_GLOBAL_SEED", torch.initial_seed() % (1 << 63)))
+
+    def configure_model(self) -> None:
+        if self.model is not None:
+            return
+        with torch.device("meta"):
+            model = Qwen2(self.config)
+        strategy = self._trainer.strategy if self._trainer is not None else None
+        if not getattr(strategy, "materializes_declared_model", False):
+            from lightning_hybrid.initialization import init_parameters
+
+            model.to_empty(device=self.device)
+            if self.config.tie_word_embeddings:  # to_empty breaks the tie; restore it
+                model.lm_head.weight = model.embed_tokens.weight
+            init_parameters(model, self.init_seed(), model.parameter_init)
+        self.model = model
+
+    def forward(self, input_ids: Tensor) -> Tensor:
+        assert self.model is not None, "call configure_model() first"
+        return self.model(input_ids)
+
+    # ------------------------------------------------------------------ steps
+
+    def _global_loss(self, input_ids: Tensor, labels: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        """(loss to backpropagate, global mean loss for logging, global label-token count).
+
+        Each rank backpropagates ``local_sum / global_count * dp``: the strategies average gradients over
+        the data-parallel ranks, so the result is the gradient of the global token mean. One all-reduce
+        gives both the global sum (for logging) and the global count; ranks that hold the same data
+        (tensor/pipeline peers) are divided out.
+        """
+        pipeline = getattr(self.trainer.strategy, "pipeline_forward", None)
+        if pipeline is not None and pipeline.active:
+            return pipeline(self, input_ids, labels)
+        logits = self.model(input_ids)
+        loss_sum, count = self.model.loss_sum(logits, labels)
+        strategy = self.trainer.strategy
+        dp = strategy.distributed_sampler_kwargs["num_replicas"] if strategy.world_size > 1 else 1
+        stats = torch.stack([loss_sum.detach().float(), count.float()])
+        if strategy.world_size > 1:
+            stats = strategy.reduce(stats, reduce_op="sum") * (dp / strategy.world_size)
+        total = stats[1].clamp(min=1.0)
+        return loss_sum / total * dp, stats[0] / total, stats[1]
+
+    def training_step(self, batch: Any, batch_idx: int) -> Tensor:
+        input_ids, labels = split_batch(batch)
+        loss, value, _ = self._global_loss(input_ids, labels)
+        self.log("train_loss", value, prog_bar=True)
+        self.log("train_ppl", torch.exp(value))
+        return loss
+
+    def validation_step(self, batch: Any, batch_idx: int) -> None:
+        input_ids, labels = split_batch(batch)
+        _, value, count = self._global_loss(input_ids, labels)
+        # The value is already the global batch mean; weight it by its tokens for the epoch mean.
+        self.val_loss.update(value, weight=count)
+
+    def on_validation_epoch_end(self) -> None:
+        loss = self.val_loss.compute()
+        self.log("val_loss", loss, prog_bar=True)
+        self.log("val_ppl", torch.exp(loss))
+        self.val_loss.reset()
+
+    def test_step(self, batch: Any, batch_idx: int) -> None:
+        input_ids, labels = split_batch(batch)
+        _, value, count = self._global_loss(input_ids, labels)
+        self.test_loss.update(value, weight=count)
+
+    def on_test_epoch_end(self) -> None:
+        loss = self.test_loss.compute()
+        self.log("test_loss", loss)
+        self.log("test_ppl", torch.exp(loss))
+        self.test_loss.reset()
+
+    def predict_step(self, batch: Any, batch_idx: int) -> Tensor:
+        input_ids = batch["input_ids"] if isinstance(batch, dict) else batch[0] if isinstance(batch, (tuple, list)) else batch
+        return self.model(input_ids)
+
+    # ------------------------------------------------------------------ optimization
+
+    def configure_optimizers(self) -> Any:
+        decay, no_decay = [], []
+        for param in self.parameters():
+            if param.requires_grad:
+                (decay if param.dim() >= 2 else no_decay).append(param)
+        hp = self.hparams
+        optimizer = torch.optim.AdamW(
+            [{"params": decay, "weight_decay": hp.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
+            lr=hp.lr, betas=tuple(hp.betas), eps=hp.eps,
+        )
+        max_steps = hp.max_steps
+        if max_steps is None:
+            max_steps = self.trainer.max_steps if self.trainer.max_steps > 0 else int(self.trainer.estimated_stepping_batches)
+        schedule = torch.optim.lr_scheduler.LambdaLR(
+            optimizer,
+            lambda step: lr_lambda(step, hp.warmup_steps, max_steps, hp.lr_schedule, hp.min_lr_ratio),
+        )
+        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": schedule, "interval": "step"}}

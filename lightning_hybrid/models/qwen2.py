@@ -1,0 +1,203 @@
+"""The Qwen2 / Qwen2.5 decoder: grouped-query attention with rotary embeddings, SwiGLU MLP, RMSNorm.
+
+Single-device code: parallelism is applied from outside (see :meth:`Qwen2.parallel_spec`). The
+forward pass skips a part that is ``None``, which is how a pipeline stage holds only its slice.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from lightning_hybrid.models.config import Qwen2Config
+from lightning_hybrid.models.spec import ParallelSpec
+
+__all__ = ["Qwen2", "Qwen2Block", "RMSNorm", "rotary_tables", "apply_rotary", "IGNORE_INDEX"]
+
+IGNORE_INDEX = -100
+
+
+class RMSNorm(nn.Module):
+    """Root-mean-square norm with a learned scale, computed in fp32 like the reference implementation."""
+
+    def __init__(self, dim: int, eps: float = 1e-6) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: Tensor) -> Tensor:
+        dtype = x.dtype
+        x = x.float()
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x.to(dtype)
+
+
+def rotary_tables(seq_len: int, head_dim: int, theta: float, device: torch.device,
+                  dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+    """cos and sin of shape (seq_len, head_dim) for the half-split rotary layout Qwen2 uses."""
+    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, device=device, dtype=torch.float32) / head_dim))
+    angles = torch.outer(torch.arange(seq_len, device=device, dtype=torch.float32), inv_freq)
+    angles = torch.cat([angles, angles], dim=-1)
+    return angles.cos().to(dtype), angles.sin().to(dtype)
+
+
+def apply_rotary(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    """Rotate ``x`` of shape (batch, heads, seq, head_dim): pairs (i, i + head_dim/2) turn by position * freq_i."""
+    half = x.shape[-1] // 2
+    rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
+    return x * cos + rotated * sin
+
+
+class Attention(nn.Module):
+    """Causal grouped-query attention; q/k/v carry a bias, the output projection does not.
+
+    The number of heads is read from the projection outputs, not from the config, so the same code
+    runs on a tensor-parallel shard that holds ``heads / tp`` query and ``kv_heads / tp`` kv heads.
+    """
+
+    def __init__(self, config: Qwen2Config) -> None:
+        super().__init__()
+        h, d = config.hidden_size, config.head_dim
+        self.head_dim = d
+        self.rope_theta = config.rope_theta
+        self.q_proj = nn.Linear(h, config.num_attention_heads * d, bias=True)
+        self.k_proj = nn.Linear(h, config.num_key_value_heads * d, bias=True)
+        self.v_proj = nn.Linear(h, config.num_key_value_heads * d, bias=True)
+        self.o_proj = nn.Linear(config.num_attention_heads * d, h, bias=False)
+
+    def forward(self, x: Tensor) -> Tensor:
+        batch, seq, _ = x.shape
+        q = self.q_proj(x).view(batch, seq, -1, self.head_dim).transpose(1, 2)
+        k = self.k_proj(x).view(batch, seq, -1, self.head_dim).transpose(1, 2)
+        v = self.v_proj(x).view(batch, seq, -1, self.head_dim).transpose(1, 2)
+        cos, sin = rotary_tables(seq, self.head_dim, self.rope_theta, x.device, q.dtype)
+        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        groups = q.shape[1] // k.shape[1]
+        if groups > 1:  # every kv head serves `groups` consecutive query heads
+            k = k.repeat_interleave(groups, dim=1)
+            v = v.repeat_interleave(groups, dim=1)
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.o_proj(out.transpose(1, 2).reshape(batch, seq, -1))
+
+
+class MLP(nn.Module):
+    """SwiGLU: down(silu(gate(x)) * up(x)), no biases."""
+
+    def __init__(self, config: Qwen2Config) -> None:
+        super().__init__()
+        self.gate_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
+        self.up_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class Qwen2Block(nn.Module):
+    """Pre-norm decoder block: x + attn(norm(x)), then + mlp(norm(.))."""
+
+    def __init__(self, config: Qwen2Config) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.self_attn = Attention(config)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.mlp = MLP(config)
+
+    def forward(self, x: Tensor) -> Tensor:
+        x = x + self.self_attn(self.input_layernorm(x))
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class Qwen2(nn.Module):
+    """Qwen2 causal language model: ``Qwen2(config)(input_ids)`` gives logits (batch, seq, vocab).
+
+    Parameter names are the Hugging Face ones without the ``model.`` prefix
+    (``layers.57.mlp.up_proj.weight``); ``layers`` is keyed by the global block index.
+    """
+
+    def __init__(self, config: Qwen2Config) -> None:
+        super().__init__()
+        self.config = config
+        self.embed_tokens: Optional[nn.Embedding] = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleDict({str(i): Qwen2Block(config) for i in range(config.num_hidden_layers)})
+        self.norm: Optional[RMSNorm] = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.lm_head: Optional[nn.Linear] = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        if config.tie_word_embeddings:
+            self.lm_head.weight = self.embed_tokens.weight
+
+    def forward(self, input_ids: Tensor) -> Tensor:
+        h = self.embed_tokens(input_ids) if self.embed_tokens is not None else input_ids
+        for block in self.layers.values():
+            h = block(h)
+        h = self.norm(h) if self.norm is not None else h
+        return self.lm_head(h) if self.lm_head is not None else h
+
+    def num_parameters(self, include_embedding: bool = True) -> int:
+        """Number of distinct parameters held by this module (tied weights counted once; works on meta)."""
+        seen: dict[int, int] = {}
+        for name, p in self.named_parameters():
+            if not include_embedding and (name.startswith("embed_tokens.") or name.startswith("lm_head.")):
+                continue
+            seen[id(p)] = p.numel()
+        return sum(seen.values())
+
+    @staticmethod
+    def loss_sum(logits: Tensor, labels: Tensor) -> tuple[Tensor, Tensor]:
+        """Sum of next-token cross-entropy over label tokens (``-100`` ignored) and the number of them.
+
+        The caller divides by the token count of the *global* batch, which is how the loss stays the
+        mean over all label tokens whatever the mesh and micro-batching.
+        """
+        loss = F.cross_entropy(logits.flatten(0, -2).float(), labels.flatten(), ignore_index=IGNORE_INDEX,
+                               reduction="sum")
+        return loss, (labels != IGNORE_INDEX).sum()
+
+    def parameter_init(self, name: str) -> tuple[str, float]:
+        """How the parameter ``name`` is initialized: ``("normal", std)``, ``("ones", 0)`` or ``("zeros", 0)``.
+
+        Residual output projections (``o_proj``, ``down_proj``) get std scaled by 1/sqrt(2 * layers), as in
+        GPT-2 and torchtitan, so the residual stream does not grow with depth.
+        """
+        if name.endswith("layernorm.weight") or name == "norm.weight":
+            return "ones", 0.0
+        if name.endswith(".bias"):
+            return "zeros", 0.0
+        std = self.config.initializer_range
+        if name.endswith("o_proj.weight") or name.endswith("down_proj.weight"):
+            std = std / math.sqrt(2 * self.config.num_hidden_layers)
+        return "normal", std
+
+    def parallel_spec(self) -> ParallelSpec:
+        """Parts, TP plan and relative costs of this model (see :class:`ParallelSpec`)."""
+        c = self.config
+        kv = c.num_key_value_heads * c.head_dim
+        block_matmul = 2 * c.hidden_size * c.hidden_size + 2 * c.hidden_size * kv + 3 * c.hidden_size * c.intermediate_size
+        head_matmul = c.hidden_size * c.vocab_size
+        return ParallelSpec(
+            embedding="embed_tokens",
+            blocks="layers",
+            norm="norm",
+            head="lm_head",
+            block_plan={
+                "self_attn.q_proj": "colwise",
+                "self_attn.k_proj": "colwise",
+                "self_attn.v_proj": "colwise",
+                "self_attn.o_proj": "rowwise",
+                "mlp.gate_proj": "colwise",
+                "mlp.up_proj": "colwise",
+                "mlp.down_proj": "rowwise",
+            },
+            block_norms=("input_layernorm", "post_attention_layernorm"),
+            block_norm_consumers=("self_attn", "mlp"),
+            tp_divisible={"num_attention_heads": c.num_attention_heads,
+                          "num_key_value_heads": c.num_key_value_heads},
+            block_cost=1.0,
+            # Forward + backward of the head is a (hidden x vocab) matmul; the embedding does no matmul but
+            # writes a dense (vocab x hidden) gradient and its optimizer update, counted as a third of that.
+            head_cost=head_matmul / block_matmul,
+            embedding_cost=head_matmul / block_matmul / 3,
+        )

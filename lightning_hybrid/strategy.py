@@ -1,0 +1,282 @@
+"""``HybridParallelStrategy``: tensor x pipeline x data parallel training in a Lightning Trainer."""
+
+from __future__ import annotations
+
+import functools
+import os
+from datetime import timedelta
+from typing import TYPE_CHECKING, Any, Callable, Optional, Union
+
+import torch
+from torch.optim import Optimizer
+from typing_extensions import override
+
+import lightning.pytorch as pl
+from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
+from lightning.pytorch.strategies import ModelParallelStrategy, StrategyRegistry
+from lightning.pytorch.trainer.states import TrainerFn
+from lightning.pytorch.utilities.model_helpers import is_overridden
+
+from lightning_hybrid.clipping import clip_grad_norm_global
+from lightning_hybrid.data_parallel import DATA_PARALLEL_MODES, all_reduce_gradients, apply_fsdp
+from lightning_hybrid.initialization import init_parameters
+from lightning_hybrid.mesh import ParallelDims, build_mesh
+from lightning_hybrid.models.spec import ParallelSpec
+from lightning_hybrid.tensor_parallel import apply_tensor_parallel
+
+if TYPE_CHECKING:
+    from torch.distributed.device_mesh import DeviceMesh
+
+__all__ = ["HybridParallelStrategy", "PP_SCHEDULES", "ACTIVATION_CHECKPOINTING"]
+
+# Names accepted by `pp_schedule` (case-insensitive) -> class name in torch.distributed.pipelining.
+PP_SCHEDULES = {
+    "gpipe": "ScheduleGPipe",
+    "1f1b": "Schedule1F1B",
+    "interleaved_1f1b": "ScheduleInterleaved1F1B",
+    "looped_bfs": "ScheduleLoopedBFS",
+    "interleaved_zero_bubble": "ScheduleInterleavedZeroBubble",
+    "zbv_zero_bubble": "ScheduleZBVZeroBubble",
+    "dualpipev": "ScheduleDualPipeV",
+}
+ACTIVATION_CHECKPOINTING = ("none", "selective", "full")
+
+
+def _choice(name: str, value: Any, choices: Any) -> str:
+    if not isinstance(value, str) or value.lower() not in choices:
+        raise ValueError(f"{name}={value!r} is not supported; use one of {', '.join(choices)}")
+    return value.lower()
+
+
+def _positive_int(name: str, value: Any, allow_none: bool = False) -> None:
+    if value is None and allow_none:
+        return
+    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+        raise ValueError(f"{name}={value!r} must be a positive integer" + (" or None" if allow_none else ""))
+
+
+class HybridParallelStrategy(ModelParallelStrategy):
+    """Tensor, pipeline and data parallelism combined on PyTorch's native stack.
+
+    The mesh is ``("pp", "dp", "tp")`` with TP innermost. A LightningModule that declares its model
+    (``parallel_spec()`` and a ``model`` with the parts it names, like
+    :class:`~lightning_hybrid.models.CausalLM`) is parallelized by the strategy: TP plan, then FSDP2
+    or replication over ``dp``, then materialized from the meta device with mesh-independent
+    initialization. A LightningModule whose ``configure_model`` parallelizes itself, written for
+    Lightning's ``ModelParallelStrategy``, keeps working with ``pp=1``: its ``device_mesh`` answers to
+    ``"data_parallel"`` and ``"tensor_parallel"`` too.
+
+    Args:
+        tp: tensor-parallel size; keep it within a node.
+        pp: pipeline-parallel size.
+        dp: data-parallel size; ``None`` infers ``world_size // (tp * pp)``.
+        data_parallel: ``"fsdp"`` (FSDP2, ZeRO-3 sharding over ``dp``) or ``"replicate"`` (full copies,
+            gradients all-reduced).
+        sequence_parallel: shard norms and residuals over the sequence inside a TP group.
+        pp_schedule: a schedule of ``torch.distributed.pipelining`` (see ``PP_SCHEDULES``), case-insensitive.
+        microbatches: micro-batches per pipeline step; ``None`` picks ``2 * pp * virtual_stages``.
+        virtual_stages: pipeline stages per rank (interleaved and zero-bubble schedules need 2 or more).
+        pp_split_points: explicit stage boundaries: block names where a stage starts (``["layers.40"]``) or
+            a list of block counts per stage; ``None`` balances by cost.
+        activation_checkpointing: ``"none"``, ``"selective"`` or ``"full"``.
+        compile: ``torch.compile`` each block.
+        reduce_dtype: dtype of FSDP gradient reduction under mixed precision (default fp32).
+        preflight: run the network preflight on the training mesh before the model is built.
+        save_distributed_checkpoint: each rank writes its shards (``True``) or rank 0 a full file.
+        process_group_backend: ``"nccl"``/``"gloo"``; ``None`` chooses by device.
+        timeout: timeout of collectives; a dead peer ends the run with a timeout error instead of a hang.
+
+    Raises:
+        ValueError: an argument has an unknown value (on construction, on every rank), or the sizes do not
+            fit the world size or the model (in ``setup_environment``, before any collective).
+    """
+
+    strategy_name = "hybrid"
+
+    def __init__(
+        self,
+        tp: int = 1,
+        pp: int = 1,
+        dp: Optional[int] = None,
+        data_parallel: str = "fsdp",
+        sequence_parallel: bool = False,
+        pp_schedule: str = "1f1b",
+        microbatches: Optional[int] = None,
+        virtual_stages: int = 1,
+        pp_split_points: Optional[Union[list[str], list[int]]] = None,
+        activation_checkpointing: str = "none",
+        compile: bool = False,
+        reduce_dtype: Optional[str] = None,
+        preflight: bool = False,
+        save_distributed_checkpoint: bool = True,
+        process_group_backend: Optional[str] = None,
+        timeout: Optional[timedelta] = default_pg_timeout,
+    ) -> None:
+        super().__init__(data_parallel_size="auto", tensor_parallel_size="auto",
+                         save_distributed_checkpoint=save_distributed_checkpoint,
+                         process_group_backend=process_group_backend, timeout=timeout)
+        _positive_int("tp", tp)
+        _positive_int("pp", pp)
+        _positive_int("dp", dp, allow_none=True)
+        _positive_int("virtual_stages", virtual_stages)
+        _positive_int("microbatches", microbatches, allow_none=True)
+        self.tp, self.pp, self.dp = tp, pp, dp
+        self.data_parallel = _choice("data_parallel", data_parallel, DATA_PARALLEL_MODES)
+        self.sequence_parallel = bool(sequence_parallel)
+        self.pp_schedule = _choice("pp_schedule", pp_schedule, PP_SCHEDULES)
+        self.microbatches = microbatches
+        self.virtual_stages = virtual_stages
+        self.pp_split_points = pp_split_points
+        self.activation_checkpointing = _choice("activation_checkpointing", activation_checkpointing,
+                                                ACTIVATION_CHECKPOINTING)
+        self.compile = bool(compile)
+        self.reduce_dtype = reduce_dtype
+        self.preflight = bool(preflight)
+        self._dims: Optional[ParallelDims] = None
+        self._spec: Optional[ParallelSpec] = None
+
+    # ------------------------------------------------------------------ environment and mesh
+
+    @property
+    def dims(self) -> ParallelDims:
+        """The resolved (tp, pp, dp) sizes; available from ``setup_environment`` on."""
+        if self._dims is None:
+            raise RuntimeError("the parallel sizes are resolved in setup_environment(); the Trainer calls it")
+        return self._dims
+
+    @property
+    def materializes_declared_model(self) -> bool:
+        """True: a declared model may be built on the meta device; this strategy shards and initializes it."""
+        return True
+
+    @property
+    @override
+    def distributed_sampler_kwargs(self) -> dict[str, Any]:
+        # TP and PP peers see the same samples; only the dp coordinate selects a slice.
+        coords = self.dims.coordinates(self.global_rank)
+        return {"num_replicas": self.dims.dp, "rank": coords["dp"]}
+
+    def _declared_spec(self) -> Optional[ParallelSpec]:
+        module = self.lightning_module
+        spec_fn = getattr(module, "parallel_spec", None)
+        return spec_fn() if callable(spec_fn) else None
+
+    def _validate(self) -> None:
+        """All size checks that need no collective; identical on every rank, so every rank raises alike."""
+        world_size = self.num_nodes * self.num_processes
+        self._dims = ParallelDims.resolve(self.tp, self.pp, self.dp, world_size,
+                                          devices_per_node=self.num_processes if self.num_nodes > 1 else None)
+        self._spec = self._declared_spec()
+        if self._spec is not None:
+            num_blocks = self.lightning_module.num_blocks()
+            self._dims.check_model(self._spec.tp_divisible, num_blocks, self.virtual_stages)
+        elif self.pp > 1:
+            raise ValueError(
+                f"pp={self.pp} needs a LightningModule that declares its model parts and loss "
+                f"(parallel_spec(), num_blocks() and a `model` with loss_sum(); see lightning_hybrid.models.CausalLM); "
+                f"{type(self.lightning_module).__name__} does not"
+            )
+        if self.pp > 1:
+            raise NotImplementedError("pipeline parallelism (pp>1) is not available yet; use pp=1")
+
+    @override
+    def setup_environment(self) -> None:
+        self._validate()
+        self._setup_distributed()
+        self._device_mesh = build_mesh(self.dims, self.root_device.type)
+        assert self.lightning_module is not None
+        self.lightning_module._device_mesh = self._device_mesh
+
+    @property
+    def mesh(self) -> "DeviceMesh":
+        return self.device_mesh
+
+    # ------------------------------------------------------------------ model setup
+
+    @override
+    def setup(self, trainer: "pl.Trainer") -> None:
+        if self._spec is None:
+            # The LightningModule parallelized itself in configure_model (ModelParallelStrategy style).
+            return super().setup(trainer)
+        assert self.model is not None and self.accelerator is not None
+        self.accelerator.setup(trainer)
+        if not is_overridden("configure_model", self.lightning_module):
+            raise TypeError(f"{type(self.lightning_module).__name__} declares parallel_spec() but does not build "
+                            f"its model in configure_model()")
+        model = self.lightning_module.model
+        if model is None:
+            raise TypeError(f"{type(self.lightning_module).__name__}.configure_model() did not set `self.model`")
+        self._parallelize(model, self._spec)
+        self.model_to_device()
+        self.barrier()
+        if trainer.state.fn == TrainerFn.FITTING:
+            self.setup_optimizers(trainer)
+        self.setup_precision_plugin()
+        # Lightning's clipping calls torch's clip_grad_norm_ per rank; clip by the global norm instead.
+        self.precision_plugin.clip_grad_by_norm = functools.partial(self._clip_by_global_norm)
+
+    def _parallelize(self, model: torch.nn.Module, spec: ParallelSpec) -> None:
+        """TP, then FSDP or replication, then materialization and mesh-independent initialization."""
+        dims, mesh = self.dims, self.device_mesh
+        already_built = not any(p.is_meta for p in model.parameters())
+        if already_built:
+            raise ValueError(f"{type(self.lightning_module).__name__}.configure_model() built real weights; "
+                             f"build the declared model on the meta device so the strategy can shard it first")
+        if dims.tp > 1:
+            apply_tensor_parallel(model, spec, mesh["tp"], self.sequence_parallel)
+        if dims.dp > 1 and self.data_parallel == "fsdp":
+            apply_fsdp(model, getattr(model, spec.blocks), mesh["dp"], reduce_dtype=self._reduce_dtype())
+        model.to_empty(device=self.root_device)
+        seed = self.broadcast(self.lightning_module.init_seed())
+        init_parameters(model, seed, model.parameter_init)
+
+    def _reduce_dtype(self) -> Optional[torch.dtype]:
+        if self.reduce_dtype is None:
+            return None
+        dtypes = {"fp32": torch.float32, "float32": torch.float32, "bf16": torch.bfloat16, "bfloat16": torch.bfloat16}
+        return dtypes[_choice("reduce_dtype", self.reduce_dtype, dtypes)]
+
+    @override
+    def model_to_device(self) -> None:
+        # A declared model was materialized on the right device already; only move leftover buffers.
+        assert self.model is not None
+        if self._spec is None:
+            return super().model_to_device()
+        for module in self.model.modules():
+            for key, buf in module._buffers.items():
+                if buf is not None and buf.device != self.root_device:
+                    module._buffers[key] = buf.to(self.root_device)
+
+    # ------------------------------------------------------------------ training loop hooks
+
+    @property
+    def _replicated_dp(self) -> bool:
+        return self._dims is not None and self._spec is not None and self.dims.dp > 1 and self.data_parallel == "replicate"
+
+    @override
+    def optimizer_step(self, optimizer: Optimizer, closure: Callable[[], Any],
+                       model: Optional[Union["pl.LightningModule", torch.nn.Module]] = None, **kwargs: Any) -> Any:
+        if self._replicated_dp:
+            # Average replicated gradients once per optimizer step, before clipping sees them.
+            inner = closure
+
+            def closure() -> Any:  # noqa: F811 - wraps Lightning's closure
+                result = inner()
+                all_reduce_gradients(self.lightning_module.model.parameters(),
+                                     self.device_mesh["dp"].get_group(), self.dims.dp)
+                return result
+
+        return super().optimizer_step(optimizer, closure, model, **kwargs)
+
+    def _clip_by_global_norm(self, optimizer: Optimizer, clip_val: Union[int, float]) -> None:
+        params = [p for group in optimizer.param_groups for p in group["params"]]
+        clip_grad_norm_global(params, float(clip_val), self.world_size // self.dims.pp)
+
+    @classmethod
+    @override
+    def register_strategies(cls, strategy_registry: Any) -> None:
+        strategy_registry.register(cls.strategy_name, cls, description="Tensor x pipeline x data parallel")
+
+
+if "hybrid" not in StrategyRegistry:
+    HybridParallelStrategy.register_strategies(StrategyRegistry)
