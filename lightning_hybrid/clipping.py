@@ -17,11 +17,18 @@ from torch import Tensor
 __all__ = ["global_grad_norm", "clip_grad_norm_global"]
 
 
+def _is_split(placement: object) -> bool:
+    # FSDP2 over a TP-sharded dim uses _StridedShard, which is not a Shard subclass.
+    from torch.distributed.tensor.placement_types import _StridedShard
+
+    return placement.is_shard() or isinstance(placement, _StridedShard)
+
+
 def _piece_and_copies(grad: Tensor, ranks_per_stage: int) -> tuple[Tensor, int]:
     from torch.distributed.tensor import DTensor
 
     if isinstance(grad, DTensor):
-        shards = math.prod(grad.device_mesh.size(i) for i, p in enumerate(grad.placements) if p.is_shard())
+        shards = math.prod(grad.device_mesh.size(i) for i, p in enumerate(grad.placements) if _is_split(p))
         return grad.to_local(), ranks_per_stage // shards
     return grad, ranks_per_stage
 
