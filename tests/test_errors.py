@@ -1,0 +1,86 @@
+"""Bad input gets a one-line ValueError naming the value and what would fit, before any collective."""
+
+from __future__ import annotations
+
+import pytest
+
+import lightning as L
+from lightning_hybrid import HybridParallelStrategy
+from lightning_hybrid.mesh import ParallelDims
+from lightning_hybrid.models import CausalLM, Qwen2Config
+
+from equivalence_setup import make_dataset
+from launch import torchrun
+
+
+def test_sizes_that_do_not_multiply_to_the_world_size_are_refused():
+    with pytest.raises(ValueError, match=r"tp\*pp\*dp=2\*1\*3=6 does not equal the world size 4"):
+        ParallelDims.resolve(tp=2, pp=1, dp=3, world_size=4)
+    with pytest.raises(ValueError, match=r"world size 6 is not divisible by tp\*pp=4\*1=4; tp\*pp must be one of 1, 2, 3 or 6"):
+        ParallelDims.resolve(tp=4, pp=1, dp=None, world_size=6)
+    assert ParallelDims.resolve(tp=8, pp=2, dp=None, world_size=128).dp == 8
+
+
+def test_tp_that_does_not_divide_the_heads_is_refused_with_the_divisors():
+    dims = ParallelDims.resolve(tp=3, pp=1, dp=None, world_size=3)
+    with pytest.raises(ValueError, match=r"tp=3 does not divide num_attention_heads=64; use tp in 1, 2, 4, 8, 16, 32 or 64"):
+        dims.check_model({"num_attention_heads": 64, "num_key_value_heads": 8}, 80)
+    dims = ParallelDims.resolve(tp=16, pp=1, dp=None, world_size=16)
+    with pytest.raises(ValueError, match=r"tp=16 does not divide num_key_value_heads=8; use tp in 1, 2, 4 or 8"):
+        dims.check_model({"num_attention_heads": 64, "num_key_value_heads": 8}, 80)
+
+
+def test_more_pipeline_stages_than_blocks_are_refused():
+    dims = ParallelDims.resolve(tp=1, pp=4, dp=None, world_size=4)
+    with pytest.raises(ValueError, match=r"pp=4 x virtual_stages=2 = 8 pipeline stages but the model has only 4 blocks"):
+        dims.check_model({}, 4, stages_per_rank=2)
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    ({"data_parallel": "zero2"}, r"data_parallel='zero2' is not supported; use one of fsdp, replicate"),
+    ({"pp_schedule": "pipedream"}, r"pp_schedule='pipedream' is not supported; use one of gpipe, 1f1b"),
+    ({"activation_checkpointing": "some"}, r"activation_checkpointing='some' is not supported; use one of none, selective, full"),
+    ({"tp": 0}, r"tp=0 must be a positive integer"),
+    ({"dp": -1}, r"dp=-1 must be a positive integer or None"),
+    ({"virtual_stages": 0}, r"virtual_stages=0 must be a positive integer"),
+])
+def test_unknown_option_values_are_refused_on_construction(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        HybridParallelStrategy(**kwargs)
+
+
+def test_strategy_is_registered_as_hybrid():
+    trainer = L.Trainer(strategy="hybrid", accelerator="cpu", devices=1, logger=False)
+    assert isinstance(trainer.strategy, HybridParallelStrategy)
+
+
+def test_trainer_with_too_few_devices_fails_before_initializing_processes():
+    trainer = L.Trainer(strategy=HybridParallelStrategy(tp=2), accelerator="cpu", devices=1, max_steps=1,
+                        logger=False, enable_checkpointing=False, enable_progress_bar=False)
+    train, _ = make_dataset(8)
+    with pytest.raises(ValueError, match=r"world size 1 is not divisible by tp\*pp=2\*1=2"):
+        trainer.fit(CausalLM("tiny"), train_dataloaders=train)
+
+
+@pytest.mark.distributed
+@pytest.mark.timeout(120)
+def test_indivisible_kv_heads_fail_on_every_rank_without_hanging(tmp_path):
+    script = tmp_path / "bad.py"
+    script.write_text(
+        "import lightning as L\n"
+        "from lightning_hybrid import HybridParallelStrategy\n"
+        "from lightning_hybrid.models import CausalLM, Qwen2Config\n"
+        "from equivalence_setup import make_dataset\n"
+        "config = Qwen2Config(vocab_size=256, hidden_size=64, intermediate_size=64, num_hidden_layers=2,\n"
+        "                     num_attention_heads=4, num_key_value_heads=1)\n"
+        "trainer = L.Trainer(strategy=HybridParallelStrategy(tp=2), accelerator='cpu', devices=2, max_steps=1,\n"
+        "                    logger=False, enable_checkpointing=False)\n"
+        "try:\n"
+        "    trainer.fit(CausalLM(config), train_dataloaders=make_dataset(8)[0])\n"
+        "except ValueError as err:\n"
+        "    import os; print(f'rank {os.environ[\"RANK\"]}: {err}', flush=True); raise SystemExit(3)\n"
+    )
+    result = torchrun(2, [str(script)], timeout=90, check=False)
+    assert result.returncode != 0
+    for rank in (0, 1):
+        assert f"rank {rank}: tp=2 does not divide num_key_value_heads=1; use tp in 1" in result.stdout, result.stdout[-3000:]
