@@ -22,6 +22,8 @@ from lightning_hybrid.data_parallel import DATA_PARALLEL_MODES, all_reduce_gradi
 from lightning_hybrid.initialization import init_parameters
 from lightning_hybrid.mesh import ParallelDims, build_mesh
 from lightning_hybrid.models.spec import ParallelSpec
+from lightning_hybrid.pipeline import (ZERO_BUBBLE, PipelineRunner, StageTimer, build_stages, plan_stages,
+                                       stage_ids_for_rank, theoretical_bubble, validate_schedule)
 from lightning_hybrid.tensor_parallel import apply_tensor_parallel
 
 if TYPE_CHECKING:
@@ -29,15 +31,15 @@ if TYPE_CHECKING:
 
 __all__ = ["HybridParallelStrategy", "PP_SCHEDULES", "ACTIVATION_CHECKPOINTING"]
 
-# Names accepted by `pp_schedule` (case-insensitive) -> class name in torch.distributed.pipelining.
+# Names accepted by `pp_schedule` (case-insensitive) -> name for torch.distributed.pipelining.get_schedule_class.
 PP_SCHEDULES = {
-    "gpipe": "ScheduleGPipe",
-    "1f1b": "Schedule1F1B",
-    "interleaved_1f1b": "ScheduleInterleaved1F1B",
-    "looped_bfs": "ScheduleLoopedBFS",
-    "interleaved_zero_bubble": "ScheduleInterleavedZeroBubble",
-    "zbv_zero_bubble": "ScheduleZBVZeroBubble",
-    "dualpipev": "ScheduleDualPipeV",
+    "gpipe": "GPipe",
+    "1f1b": "1F1B",
+    "interleaved_1f1b": "Interleaved1F1B",
+    "looped_bfs": "LoopedBFS",
+    "interleaved_zero_bubble": "InterleavedZeroBubble",
+    "zbv_zero_bubble": "ZBVZeroBubble",
+    "dualpipev": "DualPipeV",
 }
 ACTIVATION_CHECKPOINTING = ("none", "selective", "full")
 
@@ -134,6 +136,7 @@ class HybridParallelStrategy(ModelParallelStrategy):
         self.preflight = bool(preflight)
         self._dims: Optional[ParallelDims] = None
         self._spec: Optional[ParallelSpec] = None
+        self.pipeline: Optional[PipelineRunner] = None
 
     # ------------------------------------------------------------------ environment and mesh
 
@@ -177,7 +180,18 @@ class HybridParallelStrategy(ModelParallelStrategy):
                 f"{type(self.lightning_module).__name__} does not"
             )
         if self.pp > 1:
-            raise NotImplementedError("pipeline parallelism (pp>1) is not available yet; use pp=1")
+            validate_schedule(self.pp_schedule, self.pp, self.virtual_stages, self.num_microbatches)
+            plan_stages(self._spec, self.lightning_module.num_blocks(), self.pp * self.virtual_stages,
+                        self.pp_split_points)  # raises on split points that do not exist
+        elif self.virtual_stages != 1:
+            raise ValueError(f"virtual_stages={self.virtual_stages} needs pp>1; use virtual_stages=1")
+
+    @property
+    def num_microbatches(self) -> int:
+        """Micro-batches per pipeline step: the given value, or ``2 * pp`` (``2 * pp * virtual_stages`` for V schedules)."""
+        if self.microbatches is not None:
+            return self.microbatches
+        return 2 * self.pp * (self.virtual_stages if self.pp_schedule in ("zbv_zero_bubble", "dualpipev") else 1)
 
     @override
     def setup_environment(self) -> None:
@@ -206,7 +220,10 @@ class HybridParallelStrategy(ModelParallelStrategy):
         model = self.lightning_module.model
         if model is None:
             raise TypeError(f"{type(self.lightning_module).__name__}.configure_model() did not set `self.model`")
-        self._parallelize(model, self._spec)
+        if self.dims.pp > 1:
+            self._build_pipeline(model, self._spec, trainer)
+        else:
+            self._parallelize(model, self._spec)
         self.model_to_device()
         self.barrier()
         if trainer.state.fn == TrainerFn.FITTING:
@@ -229,6 +246,53 @@ class HybridParallelStrategy(ModelParallelStrategy):
         model.to_empty(device=self.root_device)
         seed = self.broadcast(self.lightning_module.init_seed())
         init_parameters(model, seed, model.parameter_init)
+
+    def _shard_stage(self, stage: torch.nn.Module, spec: ParallelSpec) -> None:
+        dims, mesh = self.dims, self.device_mesh
+        if dims.tp > 1:
+            apply_tensor_parallel(stage, spec, mesh["tp"], self.sequence_parallel)
+        if dims.dp > 1 and self.data_parallel == "fsdp":
+            # Zero-bubble schedules run the weight-gradient pass separately and need the gathered weights.
+            apply_fsdp(stage, getattr(stage, spec.blocks), mesh["dp"], reduce_dtype=self._reduce_dtype(),
+                       reshard_after_forward=self.pp_schedule not in ZERO_BUBBLE)
+
+    def _build_pipeline(self, model: torch.nn.Module, spec: ParallelSpec, trainer: "pl.Trainer") -> None:
+        """Split into stages, shard each, materialize, and build the schedule and its runner."""
+        from torch.distributed.pipelining import PipelineStage
+        from torch.distributed.pipelining.schedules import PipelineScheduleSingle, get_schedule_class
+
+        dims, mesh = self.dims, self.device_mesh
+        if not any(p.is_meta for p in model.parameters()):
+            raise ValueError(f"{type(self.lightning_module).__name__}.configure_model() built real weights; "
+                             f"build the declared model on the meta device so the strategy can split it first")
+        num_stages = dims.pp * self.virtual_stages
+        plans = plan_stages(spec, self.lightning_module.num_blocks(), num_stages, self.pp_split_points)
+        pp_rank = dims.coordinates(self.global_rank)["pp"]
+        stage_ids = stage_ids_for_rank(pp_rank, dims.pp, self.virtual_stages, self.pp_schedule)
+        container, modules = build_stages(model, spec, plans, stage_ids)
+        for module in modules:
+            self._shard_stage(module, spec)
+            module.to_empty(device=self.root_device)
+        seed = self.broadcast(self.lightning_module.init_seed())
+        init_parameters(container, seed, model.parameter_init)
+        self.lightning_module.model = container
+        self.stage_plans = plans
+        pp_group = mesh["pp"].get_group()
+        stages = [PipelineStage(m, stage_index=i, num_stages=num_stages, device=self.root_device, group=pp_group)
+                  for m, i in zip(modules, stage_ids)]
+        timer = StageTimer(sync=torch.cuda.synchronize if self.root_device.type == "cuda" else lambda: None)
+        for stage in stages:
+            timer.wrap(stage)
+        schedule_cls = get_schedule_class(PP_SCHEDULES[self.pp_schedule])
+        last_pp_rank = 0 if self.pp_schedule in ("zbv_zero_bubble", "dualpipev") else dims.pp - 1
+        runner = PipelineRunner(None, stages, model.loss_sum, pp_group,
+                                mesh["dp"].get_group() if dims.dp > 1 else None, last_pp_rank, dims.dp,
+                                self.num_microbatches, self.pp_schedule, timer)
+        first = stages[0] if issubclass(schedule_cls, PipelineScheduleSingle) else stages
+        runner.schedule = schedule_cls(first, n_microbatches=self.num_microbatches, loss_fn=runner.loss_fn,
+                                       scale_grads=False)
+        runner.grad_scale = 1.0 / max(1, trainer.accumulate_grad_batches)
+        self.pipeline = runner
 
     def _reduce_dtype(self) -> Optional[torch.dtype]:
         if self.reduce_dtype is None:
@@ -254,6 +318,15 @@ class HybridParallelStrategy(ModelParallelStrategy):
         return self._dims is not None and self._spec is not None and self.dims.dp > 1 and self.data_parallel == "replicate"
 
     @override
+    def backward(self, closure_loss: torch.Tensor, optimizer: Optional[Optimizer], *args: Any, **kwargs: Any) -> torch.Tensor:
+        if self.pipeline is None:
+            return super().backward(closure_loss, optimizer, *args, **kwargs)
+        # The pipeline schedule already ran backward inside training_step; only fire the hooks.
+        assert self.lightning_module is not None
+        closure_loss = self.precision_plugin.pre_backward(closure_loss, self.lightning_module)
+        return self.precision_plugin.post_backward(closure_loss, self.lightning_module)
+
+    @override
     def optimizer_step(self, optimizer: Optimizer, closure: Callable[[], Any],
                        model: Optional[Union["pl.LightningModule", torch.nn.Module]] = None, **kwargs: Any) -> Any:
         if self._replicated_dp:
@@ -266,7 +339,38 @@ class HybridParallelStrategy(ModelParallelStrategy):
                                      self.device_mesh["dp"].get_group(), self.dims.dp)
                 return result
 
-        return super().optimizer_step(optimizer, closure, model, **kwargs)
+        result = super().optimizer_step(optimizer, closure, model, **kwargs)
+        if self.pipeline is not None:
+            # Gradients of the next step accumulate from zero inside the schedule (Lightning's own zero_grad
+            # runs after training_step, which is too late for a pipeline; CausalLM skips it).
+            optimizer.zero_grad(set_to_none=True)
+        return result
+
+    @override
+    def on_train_end(self) -> None:
+        if self.pipeline is not None:
+            self._report_bubble()
+
+    def _report_bubble(self) -> None:
+        """Log, on global rank 0, each stage's measured idle fraction next to the schedule's theoretical bubble."""
+        import torch.distributed as dist
+
+        from lightning.pytorch.utilities.rank_zero import rank_zero_info
+
+        timer = self.pipeline.timer
+        mine = {"pp_rank": self.dims.coordinates(self.global_rank)["pp"], "idle": timer.idle_fraction}
+        gathered: list = [None] * self.world_size
+        dist.all_gather_object(gathered, mine)
+        per_stage: dict[int, list[float]] = {}
+        for item in gathered:
+            if item["idle"] is not None:
+                per_stage.setdefault(item["pp_rank"], []).append(item["idle"])
+        theory = theoretical_bubble(self.pp_schedule, self.dims.pp, self.num_microbatches, self.virtual_stages)
+        measured = ", ".join(f"rank {r}: {100 * sum(v) / len(v):.1f}%" for r, v in sorted(per_stage.items()))
+        self.bubble_report = {"theoretical": theory,
+                              "measured": {r: sum(v) / len(v) for r, v in per_stage.items()}}
+        rank_zero_info(f"pipeline bubble ({self.pp_schedule}, pp={self.dims.pp}, microbatches={self.num_microbatches}, "
+                       f"virtual_stages={self.virtual_stages}): measured idle {measured}; theoretical {100 * theory:.1f}%")
 
     def _clip_by_global_norm(self, optimizer: Optimizer, clip_val: Union[int, float]) -> None:
         params = [p for group in optimizer.param_groups for p in group["params"]]

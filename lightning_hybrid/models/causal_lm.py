@@ -140,7 +140,7 @@ class CausalLM(pl.LightningModule):
 
     # ------------------------------------------------------------------ steps
 
-    def _global_loss(self, input_ids: Tensor, labels: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    def _global_loss(self, input_ids: Tensor, labels: Tensor, train: bool) -> tuple[Tensor, Tensor, Tensor]:
         """(loss to backpropagate, global mean loss for logging, global label-token count).
 
         Each rank backpropagates ``local_sum / global_count * dp``: the strategies average gradients over
@@ -148,9 +148,9 @@ class CausalLM(pl.LightningModule):
         gives both the global sum (for logging) and the global count; ranks that hold the same data
         (tensor/pipeline peers) are divided out.
         """
-        pipeline = getattr(self.trainer.strategy, "pipeline_forward", None)
-        if pipeline is not None and pipeline.active:
-            return pipeline(self, input_ids, labels)
+        pipeline = getattr(self.trainer.strategy, "pipeline", None)
+        if pipeline is not None:
+            return pipeline(input_ids, labels, train=train)
         logits = self.model(input_ids)
         loss_sum, count = self.model.loss_sum(logits, labels)
         strategy = self.trainer.strategy
@@ -163,14 +163,14 @@ class CausalLM(pl.LightningModule):
 
     def training_step(self, batch: Any, batch_idx: int) -> Tensor:
         input_ids, labels = split_batch(batch)
-        loss, value, _ = self._global_loss(input_ids, labels)
+        loss, value, _ = self._global_loss(input_ids, labels, train=True)
         self.log("train_loss", value, prog_bar=True)
         self.log("train_ppl", torch.exp(value))
         return loss
 
     def validation_step(self, batch: Any, batch_idx: int) -> None:
         input_ids, labels = split_batch(batch)
-        _, value, count = self._global_loss(input_ids, labels)
+        _, value, count = self._global_loss(input_ids, labels, train=False)
         # The value is already the global batch mean; weight it by its tokens for the epoch mean.
         self.val_loss.update(value, weight=count)
 
@@ -182,7 +182,7 @@ class CausalLM(pl.LightningModule):
 
     def test_step(self, batch: Any, batch_idx: int) -> None:
         input_ids, labels = split_batch(batch)
-        _, value, count = self._global_loss(input_ids, labels)
+        _, value, count = self._global_loss(input_ids, labels, train=False)
         self.test_loss.update(value, weight=count)
 
     def on_test_epoch_end(self) -> None:
@@ -194,6 +194,12 @@ class CausalLM(pl.LightningModule):
     def predict_step(self, batch: Any, batch_idx: int) -> Tensor:
         input_ids = batch["input_ids"] if isinstance(batch, dict) else batch[0] if isinstance(batch, (tuple, list)) else batch
         return self.model(input_ids)
+
+    def optimizer_zero_grad(self, epoch: int, batch_idx: int, optimizer: Any) -> None:
+        # With a pipeline the schedule computes the gradients inside training_step, before Lightning would
+        # zero them; the strategy zeroes them after each optimizer step instead.
+        if getattr(self.trainer.strategy, "pipeline", None) is None:
+            super().optimizer_zero_grad(epoch, batch_idx, optimizer)
 
     # ------------------------------------------------------------------ optimization
 
