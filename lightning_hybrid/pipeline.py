@@ -9,10 +9,11 @@ training or evaluation step of the schedule over a whole per-rank batch.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import time
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Callable, Optional, Sequence, Union
+from typing import TYPE_CHECKING, Any, Callable, Iterator, Optional, Sequence, Union
 
 import torch
 from torch import Tensor, nn
@@ -304,6 +305,37 @@ class PipelineRunner:
             dist.all_reduce(tensor, group=self.dp_group)
         return tensor
 
+    @contextlib.contextmanager
+    def _forward_only_order(self) -> Iterator[None]:
+        """For the V-shaped schedules, swap in a forward-only action list while evaluating.
+
+        ``eval()`` of ZBV and DualPipeV fails on their fused forward/backward actions. Their runtime
+        runs any lowered action list: every rank runs the forwards of its stages, lowest stage first,
+        all micro-batches each, and torch's lowering adds the sends and receives. The training order is restored
+        afterwards; the same schedule and stage objects are used throughout.
+        """
+        if self.schedule_name not in V_SHAPED:
+            yield
+            return
+        from torch.distributed.pipelining.schedules import (_Action, _add_send_recv, _add_unshard_reshard,
+                                                            _ComputationType)
+
+        schedule = self.schedule
+        saved = schedule.pipeline_order_with_comms
+        stage_to_rank = dict(schedule.stage_index_to_group_rank)
+        actions = {rank: [_Action(stage, _ComputationType.FORWARD, mb)
+                          for stage in sorted(s for s, r in stage_to_rank.items() if r == rank)
+                          for mb in range(self.microbatches)]
+                   for rank in sorted(set(stage_to_rank.values()))}
+        # Lowered like _prepare_schedule_with_comms does, without its check that every stage runs backward.
+        lowered = {rank: _add_unshard_reshard(ops) for rank, ops in actions.items()}
+        schedule.pipeline_order_with_comms = _add_send_recv(lowered, stage_to_rank=lambda s: stage_to_rank[s],
+                                                            num_stages=schedule._num_stages)
+        try:
+            yield
+        finally:
+            schedule.pipeline_order_with_comms = saved
+
     def _check_batch(self, input_ids: Tensor) -> None:
         if input_ids.shape[0] % self.microbatches:
             raise ValueError(
@@ -333,7 +365,7 @@ class PipelineRunner:
         else:
             # Lightning evaluates under inference_mode; stage buffers created there could not be used by a
             # later training step, so run forward-only under no_grad instead.
-            with torch.inference_mode(False), torch.no_grad():
+            with torch.inference_mode(False), torch.no_grad(), self._forward_only_order():
                 self.schedule.eval(*args, **kwargs)
         if self.is_last:
             local = torch.stack([l.detach().float() for l in losses]).sum() / self.grad_scale
