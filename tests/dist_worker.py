@@ -63,7 +63,7 @@ def run(config: dict, out: Path) -> None:
         module = CausalLM(tiny_config(), **make_trainer_kwargs()["module"])
     losses, weights = LossRecorder(), WeightRecorder()
     trainer = L.Trainer(strategy=strategy, devices=int(os.environ["WORLD_SIZE"]),
-                        callbacks=[losses, weights], **make_trainer_kwargs()["trainer"], **trainer_extra)
+                        callbacks=[losses, weights], **{**make_trainer_kwargs()["trainer"], **trainer_extra})
     world = int(os.environ["WORLD_SIZE"])
     dp = config.get("dp") or world // (config.get("tp", 1) * config.get("pp", 1))
     train, val = make_dataset(GLOBAL_BATCH // dp)

@@ -88,7 +88,7 @@ def run_reference(module_factory=None, **trainer_extra) -> dict:
         def on_fit_start(self, trainer, pl_module):
             initial.update({k: v.detach().clone() for k, v in pl_module.model.named_parameters()})
 
-    trainer = L.Trainer(devices=1, callbacks=[losses, Initial()], **kwargs["trainer"], **trainer_extra)
+    trainer = L.Trainer(devices=1, callbacks=[losses, Initial()], **{**kwargs["trainer"], **trainer_extra})
     train, val = make_dataset(reference=True)
     trainer.fit(module, train_dataloaders=train, val_dataloaders=val)
     return {"losses": losses.losses, "val_loss": float(trainer.callback_metrics["val_loss"])

@@ -1,0 +1,89 @@
+"""Same math at any mesh with a pipeline: every schedule, with TP and both DP modes, matches one process."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from equivalence_setup import max_relative_error, run_reference
+from launch import run_workers
+
+pytestmark = [pytest.mark.distributed, pytest.mark.timeout(900)]
+
+TOL = 1e-5
+SCHEDULES = ["gpipe", "1f1b", "interleaved_1f1b", "looped_bfs", "interleaved_zero_bubble", "zbv_zero_bubble",
+             "dualpipev"]
+
+
+def _virtual(schedule: str) -> int:
+    return 1 if schedule in ("gpipe", "1f1b") else 2
+
+
+@pytest.fixture(scope="module")
+def schedule_runs(tmp_path_factory):
+    # Validation every 2 steps: training continues exactly after a forward-only pass on the same schedule.
+    configs = [{"name": s, "pp": 2, "pp_schedule": s, "virtual_stages": _virtual(s),
+                "trainer": {"val_check_interval": 2}} for s in SCHEDULES]
+    configs.append({"name": "1f1b_split_points", "pp": 2, "pp_schedule": "1f1b", "pp_split_points": ["layers.1"]})
+    return run_workers(2, configs, tmp_path_factory.mktemp("pp2"))
+
+
+@pytest.fixture(scope="module")
+def four_process_runs(tmp_path_factory):
+    configs = [
+        {"name": "pp2_tp2", "pp": 2, "tp": 2},
+        {"name": "pp2_tp2_sequence_parallel", "pp": 2, "tp": 2, "sequence_parallel": True},
+        {"name": "pp2_dp2_fsdp", "pp": 2, "data_parallel": "fsdp"},
+        {"name": "pp2_dp2_replicate", "pp": 2, "data_parallel": "replicate"},
+        {"name": "pp2_dp2_fsdp_zbv", "pp": 2, "data_parallel": "fsdp", "pp_schedule": "zbv_zero_bubble",
+         "virtual_stages": 2, "microbatches": 4},
+        {"name": "pp2_tp2_clip", "pp": 2, "tp": 2, "trainer": {"gradient_clip_val": 0.05}},
+    ]
+    return run_workers(4, configs, tmp_path_factory.mktemp("pp4"))
+
+
+@pytest.fixture(scope="module")
+def eight_process_runs(tmp_path_factory):
+    configs = [{"name": "pp2_tp2_dp2_fsdp", "pp": 2, "tp": 2, "data_parallel": "fsdp"},
+               {"name": "pp2_tp2_dp2_replicate_interleaved", "pp": 2, "tp": 2, "data_parallel": "replicate",
+                "pp_schedule": "interleaved_1f1b", "virtual_stages": 2}]
+    return run_workers(8, configs, tmp_path_factory.mktemp("pp8"), timeout=600)
+
+
+def _check(record, reference):
+    err = max_relative_error(record, reference)
+    assert err["loss"] < TOL, (err, record["losses"], reference["losses"])
+    assert err["weights"] < TOL, err
+    for key, value in reference["initial"].items():
+        assert torch.equal(record["initial"][key], value), key
+
+
+@pytest.mark.parametrize("schedule", SCHEDULES)
+def test_loss_and_weights_match_single_process_with_pp2(schedule_runs, reference_run, schedule):
+    _check(schedule_runs[schedule], reference_run)
+
+
+@pytest.mark.parametrize("schedule", SCHEDULES)
+def test_validation_loss_through_the_pipeline_equals_single_process(schedule_runs, reference_run, schedule):
+    assert abs(schedule_runs[schedule]["val_loss"] - reference_run["val_loss"]) / reference_run["val_loss"] < TOL
+
+
+def test_explicit_split_points_train_like_one_process(schedule_runs, reference_run):
+    _check(schedule_runs["1f1b_split_points"], reference_run)
+
+
+@pytest.mark.parametrize("name", ["pp2_tp2", "pp2_tp2_sequence_parallel", "pp2_dp2_fsdp", "pp2_dp2_replicate",
+                                  "pp2_dp2_fsdp_zbv"])
+def test_loss_and_weights_match_single_process_with_pp_and_tp_or_dp(four_process_runs, reference_run, name):
+    _check(four_process_runs[name], reference_run)
+
+
+def test_gradient_clipping_across_stages_matches_single_process(four_process_runs):
+    reference = run_reference(gradient_clip_val=0.05)
+    _check(four_process_runs["pp2_tp2_clip"], reference)
+
+
+@pytest.mark.parametrize("name", ["pp2_tp2_dp2_fsdp", "pp2_tp2_dp2_replicate_interleaved"])
+def test_loss_and_weights_match_single_process_with_pp2_tp2_dp2(eight_process_runs, reference_run, name):
+    _check(eight_process_runs[name], reference_run)
+    assert abs(eight_process_runs[name]["val_loss"] - reference_run["val_loss"]) / reference_run["val_loss"] < TOL
