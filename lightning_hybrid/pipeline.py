@@ -336,6 +336,16 @@ class PipelineRunner:
         finally:
             schedule.pipeline_order_with_comms = saved
 
+    def logits(self, input_ids: Tensor) -> Optional[Tensor]:
+        """Forward-only pass of a whole batch; the logits on the rank that holds the last stage, else ``None``."""
+        self._check_batch(input_ids)
+        args = (input_ids,) if self.is_first else ()
+        # The schedule computes its loss on the last stage; give it labels that are all ignored.
+        kwargs = {"target": torch.full_like(input_ids, -100)} if self.is_last else {}
+        with torch.inference_mode(False), torch.no_grad(), self._forward_only_order():
+            output = self.schedule.eval(*args, **kwargs)
+        return output if self.is_last else None
+
     def _check_batch(self, input_ids: Tensor) -> None:
         if input_ids.shape[0] % self.microbatches:
             raise ValueError(

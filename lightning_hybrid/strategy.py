@@ -137,6 +137,7 @@ class HybridParallelStrategy(ModelParallelStrategy):
         self._dims: Optional[ParallelDims] = None
         self._spec: Optional[ParallelSpec] = None
         self.pipeline: Optional[PipelineRunner] = None
+        self._parallelized: Optional[torch.nn.Module] = None
 
     # ------------------------------------------------------------------ environment and mesh
 
@@ -220,10 +221,15 @@ class HybridParallelStrategy(ModelParallelStrategy):
         model = self.lightning_module.model
         if model is None:
             raise TypeError(f"{type(self.lightning_module).__name__}.configure_model() did not set `self.model`")
-        if self.dims.pp > 1:
-            self._build_pipeline(model, self._spec, trainer)
-        else:
-            self._parallelize(model, self._spec)
+        if model is not self._parallelized:
+            # Not yet sharded (a validate/test/predict after fit reuses the model built for fit).
+            if self.dims.pp > 1:
+                self._build_pipeline(model, self._spec, trainer)
+            else:
+                self._parallelize(model, self._spec)
+            self._parallelized = self.lightning_module.model
+        elif self.pipeline is not None:
+            self.pipeline.grad_scale = 1.0 / max(1, trainer.accumulate_grad_batches)
         self.model_to_device()
         self.barrier()
         if trainer.state.fn == TrainerFn.FITTING:

@@ -49,10 +49,21 @@ class WeightRecorder(L.Callback):
         self.initial = full_weights(pl_module.model)
 
 
+def evaluate_after_fit(trainer: L.Trainer, module: L.LightningModule, val) -> dict:
+    """trainer.test and trainer.predict on the fitted model; predictions gathered from the rank that has them."""
+    test_loss = float(trainer.test(module, dataloaders=val, verbose=False)[0]["test_loss"])
+    inputs = torch.utils.data.DataLoader([x for x, _ in val.dataset], batch_size=val.batch_size)
+    predictions = trainer.predict(module, dataloaders=inputs)
+    gathered: list = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, predictions[0] if predictions and predictions[0] is not None else None)
+    return {"test_loss": test_loss, "logits": next(p for p in gathered if p is not None)}
+
+
 def run(config: dict, out: Path) -> None:
     kind = config.pop("module", "causal_lm")
     name = config.pop("name")
     trainer_extra = config.pop("trainer", {})
+    evaluate = config.pop("evaluate", False)
     L.seed_everything(SEED)
     strategy = HybridParallelStrategy(**config)
     if kind == "model_parallel_user":
@@ -69,10 +80,12 @@ def run(config: dict, out: Path) -> None:
     train, val = make_dataset(GLOBAL_BATCH // dp)
     trainer.fit(module, train_dataloaders=train, val_dataloaders=val)
     final = full_weights(module.model)
+    record = {"losses": losses.losses, "val_loss": float(trainer.callback_metrics["val_loss"])
+              if "val_loss" in trainer.callback_metrics else None, "initial": weights.initial, "final": final}
+    if evaluate:
+        record.update(evaluate_after_fit(trainer, module, val))
     if trainer.global_rank == 0:
-        torch.save({"losses": losses.losses, "val_loss": float(trainer.callback_metrics["val_loss"])
-                    if "val_loss" in trainer.callback_metrics else None,
-                    "initial": weights.initial, "final": final}, out / f"{name}.pt")
+        torch.save(record, out / f"{name}.pt")
     dist.barrier()
 
 

@@ -74,7 +74,7 @@ class LossRecorder(L.Callback):
         self.losses.append(float(trainer.callback_metrics["train_loss"]))
 
 
-def run_reference(module_factory=None, **trainer_extra) -> dict:
+def run_reference(module_factory=None, evaluate: bool = False, **trainer_extra) -> dict:
     """Train on one process with Lightning's default strategy; the same record the workers save."""
     from lightning_hybrid.models import CausalLM
 
@@ -91,9 +91,14 @@ def run_reference(module_factory=None, **trainer_extra) -> dict:
     trainer = L.Trainer(devices=1, callbacks=[losses, Initial()], **{**kwargs["trainer"], **trainer_extra})
     train, val = make_dataset(reference=True)
     trainer.fit(module, train_dataloaders=train, val_dataloaders=val)
-    return {"losses": losses.losses, "val_loss": float(trainer.callback_metrics["val_loss"])
-            if "val_loss" in trainer.callback_metrics else None, "initial": initial,
-            "final": {k: v.detach().clone() for k, v in module.model.named_parameters()}}
+    record = {"losses": losses.losses, "val_loss": float(trainer.callback_metrics["val_loss"])
+              if "val_loss" in trainer.callback_metrics else None, "initial": initial,
+              "final": {k: v.detach().clone() for k, v in module.model.named_parameters()}}
+    if evaluate:
+        record["test_loss"] = float(trainer.test(module, dataloaders=val, verbose=False)[0]["test_loss"])
+        inputs = DataLoader([x for x, _ in val.dataset], batch_size=val.batch_size)
+        record["logits"] = trainer.predict(module, dataloaders=inputs)[0]
+    return record
 
 
 def max_relative_error(record: dict, reference: dict) -> dict[str, float]:

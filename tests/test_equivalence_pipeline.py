@@ -24,7 +24,10 @@ def schedule_runs(tmp_path_factory):
     # Validation every 2 steps: training continues exactly after a forward-only pass on the same schedule.
     configs = [{"name": s, "pp": 2, "pp_schedule": s, "virtual_stages": _virtual(s),
                 "trainer": {"val_check_interval": 2}} for s in SCHEDULES]
-    configs.append({"name": "1f1b_split_points", "pp": 2, "pp_schedule": "1f1b", "pp_split_points": ["layers.1"]})
+    configs.append({"name": "1f1b_split_points", "pp": 2, "pp_schedule": "1f1b", "pp_split_points": ["layers.1"],
+                    "evaluate": True})
+    configs.append({"name": "zbv_evaluate", "pp": 2, "pp_schedule": "zbv_zero_bubble", "virtual_stages": 2,
+                    "evaluate": True})
     return run_workers(2, configs, tmp_path_factory.mktemp("pp2"))
 
 
@@ -70,6 +73,20 @@ def test_validation_loss_through_the_pipeline_equals_single_process(schedule_run
 
 def test_explicit_split_points_train_like_one_process(schedule_runs, reference_run):
     _check(schedule_runs["1f1b_split_points"], reference_run)
+
+
+@pytest.fixture(scope="module")
+def evaluated_reference():
+    return run_reference(evaluate=True)
+
+
+@pytest.mark.parametrize("name", ["1f1b_split_points", "zbv_evaluate"])
+def test_test_loss_and_predicted_logits_through_the_pipeline_equal_single_process(schedule_runs, evaluated_reference,
+                                                                                  name):
+    record = schedule_runs[name]
+    assert abs(record["test_loss"] - evaluated_reference["test_loss"]) / evaluated_reference["test_loss"] < TOL
+    assert record["logits"].shape == evaluated_reference["logits"].shape == (8, 16, 256)
+    torch.testing.assert_close(record["logits"], evaluated_reference["logits"], rtol=1e-4, atol=1e-4)
 
 
 @pytest.mark.parametrize("name", ["pp2_tp2", "pp2_tp2_sequence_parallel", "pp2_dp2_fsdp", "pp2_dp2_replicate",

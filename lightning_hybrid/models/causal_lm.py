@@ -191,8 +191,20 @@ class CausalLM(pl.LightningModule):
         self.log("test_ppl", torch.exp(loss))
         self.test_loss.reset()
 
-    def predict_step(self, batch: Any, batch_idx: int) -> Tensor:
-        input_ids = batch["input_ids"] if isinstance(batch, dict) else batch[0] if isinstance(batch, (tuple, list)) else batch
+    def predict_step(self, batch: Any, batch_idx: int) -> Optional[Tensor]:
+        """Logits of a batch (a tensor of ids, a dict with ``input_ids`` or a tuple starting with them).
+
+        With a pipeline, the rank holding the last stage returns them and the other ranks ``None``.
+        """
+        if isinstance(batch, dict):
+            input_ids = batch["input_ids"]
+        elif isinstance(batch, (tuple, list)):
+            input_ids = batch[0]
+        else:
+            input_ids = batch
+        pipeline = getattr(self.trainer.strategy, "pipeline", None)
+        if pipeline is not None:
+            return pipeline.logits(input_ids)
         return self.model(input_ids)
 
     def optimizer_zero_grad(self, epoch: int, batch_idx: int, optimizer: Any) -> None:

@@ -1,0 +1,352 @@
+"""Per-rank memory model of a (tp, pp, dp) layout: parameters, gradients, optimizer states, activations.
+
+Parameters, gradients and optimizer states are computed tensor by tensor with the sharding rules the
+strategy applies, so they agree exactly with what a rank allocates:
+
+* tensor parallel (``tp > 1``): q/k/v/gate/up weights and the q/k/v biases are split on dim 0,
+  o/down weights on dim 1, the embedding and the LM head over the vocabulary (dim 0); norms are
+  replicated. DTensor splits with ``torch.chunk`` semantics (``ceil(n / tp)`` per rank, the last
+  ranks may get fewer).
+* FSDP2 over ``dp``: every (TP-local) parameter is split on dim 0 into chunks of ``ceil(n / dp)`` rows,
+  again with ``torch.chunk`` semantics (a rank may hold 0 rows). ``replicate`` keeps full copies.
+* pipeline: stages hold contiguous blocks; stage 0 also holds the embedding, the last stage the final
+  norm and the head. A rank holds ``virtual_stages`` stages (``r, r + pp, ...``).
+* AdamW keeps ``exp_avg`` and ``exp_avg_sq`` like the parameter (torch's ``zeros_like``, so in the
+  parameter dtype) and a 4-byte fp32 ``step`` scalar per parameter tensor.
+
+Activations follow Korthikanti et al. 2022, "Reducing Activation Recomputation in Large Transformer
+Models", but are counted tensor by tensor for this implementation instead of with the paper's
+``sbh(34 + 5as/h)``: grouped-query attention whose k/v are repeated to the query heads before
+attention, a SwiGLU MLP (4 saved tensors of width ``intermediate_size``), RMSNorm computed in fp32,
+and a fused (flash-style) attention that saves its output and log-sum-exp instead of the ``s x s``
+scores (so the paper's ``5as/h`` term is gone, which is also what its selective recompute achieves).
+With torch's sequence parallel the norms work on ``s / tp`` tokens but the linear layers after them
+save the all-gathered (full) input, unlike Megatron, which saves the shard.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+import types
+from dataclasses import dataclass
+from typing import Optional, Sequence
+
+from lightning_hybrid.models.config import Qwen2Config
+
+__all__ = ["Precision", "PRECISIONS", "OPTIMIZERS", "RECOMPUTE", "split_blocks", "rank_stages",
+           "rank_parameter_shapes", "chunk_rows", "rank_memory", "ActivationModel", "activation_model",
+           "inflight_microbatches", "stage_costs"]
+
+GB = 1e9
+
+
+@dataclass(frozen=True)
+class Precision:
+    """Bytes per element of each kind of tensor under a Lightning ``precision`` setting.
+
+    Args:
+        name: the Lightning name (``bf16-mixed``, ``bf16-true``, ``32-true``).
+        param: stored parameters (and FSDP all-gathers, since the strategy sets no ``param_dtype``).
+        grad: gradients (same dtype as the parameters in torch).
+        state: one optimizer state element (torch's AdamW allocates states like the parameter).
+        compute: matmul inputs and outputs.
+        residual: the residual stream and norm outputs.
+        autocast_copy: bytes per parameter of the low-precision weight copies autocast caches for backward.
+    """
+
+    name: str
+    param: int
+    grad: int
+    state: int
+    compute: int
+    residual: int
+    autocast_copy: int
+
+
+PRECISIONS: dict[str, Precision] = {
+    "bf16-mixed": Precision("bf16-mixed", 4, 4, 4, 2, 4, 2),
+    "16-mixed": Precision("16-mixed", 4, 4, 4, 2, 4, 2),
+    "bf16-true": Precision("bf16-true", 2, 2, 2, 2, 2, 0),
+    "32-true": Precision("32-true", 4, 4, 4, 4, 4, 0),
+}
+
+# Optimizer -> (states per parameter element, has a per-tensor ``step`` scalar).
+OPTIMIZERS: dict[str, tuple[int, bool]] = {"adamw": (2, True), "adam": (2, True), "sgd": (1, False)}
+RECOMPUTE = ("none", "selective", "full")
+_STEP_BYTES = 4  # torch keeps AdamW's step as a float32 scalar tensor per parameter
+
+
+def _choice(name: str, value: str, choices: Sequence[str]) -> str:
+    if value.lower() not in choices:
+        raise ValueError(f"{name}={value!r} is not supported; use one of {', '.join(choices)}")
+    return value.lower()
+
+
+def chunk_rows(n: int, parts: int, index: int) -> int:
+    """Rows of shard ``index`` when ``n`` rows are split into ``parts`` with ``torch.chunk`` semantics."""
+    size = -(-n // parts)
+    return max(0, min(size, n - index * size))
+
+
+# ----------------------------------------------------------------------------- pipeline stages
+
+
+def stage_costs(config: Qwen2Config) -> tuple[float, float, float]:
+    """(block, embedding, head) relative costs, as the model declares them for pipeline balancing."""
+    from lightning_hybrid.models.qwen2 import Qwen2
+
+    # parallel_spec() reads only self.config; calling it unbound avoids building the model.
+    spec = Qwen2.parallel_spec(types.SimpleNamespace(config=config))  # type: ignore[arg-type]
+    return spec.block_cost, spec.embedding_cost, spec.head_cost
+
+
+@functools.lru_cache(maxsize=4096)
+def split_blocks(config: Qwen2Config, num_stages: int) -> tuple[int, ...]:
+    """Contiguous block counts per stage that minimize the costliest stage (embedding first, head last).
+
+    Raises:
+        ValueError: more stages than blocks.
+    """
+    blocks = config.num_hidden_layers
+    if num_stages < 1 or num_stages > blocks:
+        raise ValueError(f"{num_stages} pipeline stages for {blocks} blocks; use 1 to {blocks} stages")
+    if num_stages == 1:
+        return (blocks,)
+    block, embedding, head = stage_costs(config)
+
+    def cost(stage: int, count: int) -> float:
+        return count * block + (embedding if stage == 0 else 0.0) + (head if stage == num_stages - 1 else 0.0)
+
+    # best[s][b]: the smallest possible maximum stage cost putting the first b blocks on stages 0..s.
+    inf = float("inf")
+    best = [[inf] * (blocks + 1) for _ in range(num_stages)]
+    choice = [[0] * (blocks + 1) for _ in range(num_stages)]
+    for b in range(1, blocks + 1):
+        best[0][b] = cost(0, b)
+        choice[0][b] = b
+    for s in range(1, num_stages):
+        for b in range(s + 1, blocks + 1):
+            for last in range(1, b - s + 1):  # blocks on stage s; every stage keeps at least one
+                value = max(best[s - 1][b - last], cost(s, last))
+                if value < best[s][b] - 1e-12:
+                    best[s][b], choice[s][b] = value, last
+    counts, b = [], blocks
+    for s in range(num_stages - 1, -1, -1):
+        counts.append(choice[s][b])
+        b -= choice[s][b]
+    return tuple(reversed(counts))
+
+
+def rank_stages(pp: int, virtual_stages: int = 1, style: str = "loop") -> list[list[int]]:
+    """Stage indices each pipeline rank holds: ``loop`` gives ``r, r + pp, ...``; ``v`` gives ``r, 2pp-1-r``."""
+    if style == "v":
+        if virtual_stages != 2:
+            raise ValueError(f"V-shaped schedules place 2 stages per rank, got virtual_stages={virtual_stages}")
+        return [[r, 2 * pp - 1 - r] for r in range(pp)]
+    return [[r + k * pp for k in range(virtual_stages)] for r in range(pp)]
+
+
+# ----------------------------------------------------------------------------- parameters
+
+
+def _tp_local(shape: tuple[int, ...], dim: Optional[int], tp: int, tp_rank: int) -> tuple[int, ...]:
+    if dim is None or tp == 1:
+        return shape
+    out = list(shape)
+    out[dim] = chunk_rows(shape[dim], tp, tp_rank)
+    return tuple(out)
+
+
+def rank_parameter_shapes(config: Qwen2Config, tp: int, tp_rank: int, blocks: Sequence[int],
+                          embedding: bool, head: bool) -> dict[str, tuple[int, ...]]:
+    """TP-local shapes of the parameters a rank holds, by their (global) parameter names.
+
+    A tied embedding held together with the head is listed once, under ``embed_tokens.weight``.
+
+    Raises:
+        ValueError: ``tie_word_embeddings`` with ``tp > 1`` (the strategy refuses it too).
+    """
+    c = config
+    if c.tie_word_embeddings and tp > 1:
+        raise ValueError(f"tie_word_embeddings=True is not supported with tp={tp}; use tp=1 or untie the embeddings")
+    h, q, kv, inter = c.hidden_size, c.num_attention_heads * c.head_dim, c.num_key_value_heads * c.head_dim, \
+        c.intermediate_size
+    vocab_dim = 0 if tp > 1 else None
+    shapes: dict[str, tuple[int, ...]] = {}
+    if embedding:
+        shapes["embed_tokens.weight"] = _tp_local((c.vocab_size, h), vocab_dim, tp, tp_rank)
+    block_shapes = {  # name -> (global shape, TP split dim)
+        "input_layernorm.weight": ((h,), None),
+        "self_attn.q_proj.weight": ((q, h), 0), "self_attn.q_proj.bias": ((q,), 0),
+        "self_attn.k_proj.weight": ((kv, h), 0), "self_attn.k_proj.bias": ((kv,), 0),
+        "self_attn.v_proj.weight": ((kv, h), 0), "self_attn.v_proj.bias": ((kv,), 0),
+        "self_attn.o_proj.weight": ((h, q), 1),
+        "post_attention_layernorm.weight": ((h,), None),
+        "mlp.gate_proj.weight": ((inter, h), 0), "mlp.up_proj.weight": ((inter, h), 0),
+        "mlp.down_proj.weight": ((h, inter), 1),
+    }
+    for i in blocks:
+        for name, (shape, dim) in block_shapes.items():
+            shapes[f"layers.{i}.{name}"] = _tp_local(shape, dim, tp, tp_rank)
+    if head:
+        shapes["norm.weight"] = (h,)
+        if not (c.tie_word_embeddings and embedding):
+            shapes["lm_head.weight"] = _tp_local((c.vocab_size, h), vocab_dim, tp, tp_rank)
+    return shapes
+
+
+def _numel(shape: tuple[int, ...]) -> int:
+    return math.prod(shape)
+
+
+def _dp_local_numel(shape: tuple[int, ...], dp: int, dp_rank: int, fsdp: bool) -> int:
+    if not fsdp or dp == 1:
+        return _numel(shape)
+    return chunk_rows(shape[0], dp, dp_rank) * _numel(shape[1:])
+
+
+def rank_memory(config: Qwen2Config, tp: int, pp: int, dp: int, data_parallel: str = "fsdp",
+                stage_index: int = 0, tp_rank: int = 0, dp_rank: int = 0, precision: str = "bf16-mixed",
+                optimizer: str = "adamw", virtual_stages: int = 1, stage_style: str = "loop",
+                stage_blocks: Optional[Sequence[int]] = None) -> dict[str, int]:
+    """Parameter, gradient and optimizer bytes allocated by the rank at mesh coordinates (pp, dp, tp).
+
+    Args:
+        config: the model sizes.
+        tp, pp, dp: mesh sizes.
+        data_parallel: ``"fsdp"`` (parameters split on dim 0 over dp) or ``"replicate"``.
+        stage_index: the rank's pipeline coordinate (0 .. pp-1).
+        tp_rank, dp_rank: the rank's tensor and data parallel coordinates.
+        precision: a key of :data:`PRECISIONS`.
+        optimizer: a key of :data:`OPTIMIZERS`.
+        virtual_stages: stages per pipeline rank.
+        stage_style: ``"loop"`` (rank r holds r, r+pp, ...) or ``"v"`` (rank r holds r and 2pp-1-r).
+        stage_blocks: block counts per stage (``pp * virtual_stages`` of them); ``None`` uses
+            :func:`split_blocks`.
+
+    Returns:
+        ``param_numel``, ``param_tensors``, ``param_bytes``, ``grad_bytes``, ``optimizer_bytes`` (states plus
+        step scalars), ``optimizer_state_numel``, ``stage_param_numel`` (TP-local, before dp sharding: what
+        FSDP gathers) and ``blocks`` (blocks held by the rank).
+
+    Raises:
+        ValueError: a coordinate is out of range, or the stages do not cover the blocks.
+    """
+    for name, value, size in (("stage_index", stage_index, pp), ("tp_rank", tp_rank, tp), ("dp_rank", dp_rank, dp)):
+        if not 0 <= value < size:
+            raise ValueError(f"{name}={value} is out of range for size {size}; use 0 to {size - 1}")
+    mode = _choice("data_parallel", data_parallel, ("fsdp", "replicate"))
+    prec = PRECISIONS[_choice("precision", precision, tuple(PRECISIONS))]
+    states, has_step = OPTIMIZERS[_choice("optimizer", optimizer, tuple(OPTIMIZERS))]
+    num_stages = pp * virtual_stages
+    counts = tuple(stage_blocks) if stage_blocks is not None else split_blocks(config, num_stages)
+    if len(counts) != num_stages or sum(counts) != config.num_hidden_layers or min(counts) < 0:
+        raise ValueError(f"stage_blocks={list(counts)} must be {num_stages} counts summing to "
+                         f"{config.num_hidden_layers} blocks")
+    starts = [sum(counts[:s]) for s in range(num_stages)]
+    mine = rank_stages(pp, virtual_stages, stage_style)[stage_index]
+    blocks = [b for s in mine for b in range(starts[s], starts[s] + counts[s])]
+    shapes = rank_parameter_shapes(config, tp, tp_rank, blocks, embedding=0 in mine, head=num_stages - 1 in mine)
+    fsdp = mode == "fsdp"
+    numel = sum(_dp_local_numel(shape, dp, dp_rank, fsdp) for shape in shapes.values())
+    return {
+        "param_numel": numel,
+        "param_tensors": len(shapes),
+        "param_bytes": numel * prec.param,
+        "grad_bytes": numel * prec.grad,
+        "optimizer_state_numel": numel * states,
+        "optimizer_bytes": numel * states * prec.state + (len(shapes) * _STEP_BYTES if has_step else 0),
+        "stage_param_numel": sum(_numel(shape) for shape in shapes.values()),
+        "blocks": len(blocks),
+    }
+
+
+# ----------------------------------------------------------------------------- activations
+
+
+@dataclass(frozen=True)
+class ActivationModel:
+    """Bytes saved for backward per token of a micro-batch, on one TP rank.
+
+    Attributes:
+        layer: one decoder block.
+        embedding: the embedding on the first stage (the saved token ids).
+        head: final norm, LM head input and the loss's saved log-softmax, on the last stage.
+        layer_working: transient bytes while one block runs backward (or is recomputed).
+        loss_working: transient bytes of the loss and its backward (full-vocabulary fp32 tensors).
+    """
+
+    layer: float
+    embedding: float
+    head: float
+    layer_working: float
+    loss_working: float
+
+
+def _norm_saved(h: float, prec: Precision, tp: int, sp: bool) -> float:
+    """RMSNorm: the fp32 input (4h), its normalized value in the model dtype, and the consumer's input."""
+    own = (4 + prec.residual) * h
+    consumer = prec.compute * h  # the next linear saves its (gathered, cast) input
+    return (own / tp if sp else own) + consumer
+
+
+def activation_model(config: Qwen2Config, tp: int = 1, sequence_parallel: bool = False, recompute: str = "none",
+                     precision: str = "bf16-mixed", seq_len: int = 4096) -> ActivationModel:
+    """Saved-for-backward bytes per token for this Qwen2 implementation (see the module docstring).
+
+    ``recompute``: ``"none"``; ``"selective"`` keeps the block input and the outputs of the matmuls and of
+    attention and recomputes norms, rotary, SiLU and products (an op-level policy that adds no matmul
+    FLOPs); ``"full"`` keeps only each block's input and recomputes the block in backward.
+    """
+    c, prec = config, PRECISIONS[_choice("precision", precision, tuple(PRECISIONS))]
+    mode = _choice("recompute", recompute, RECOMPUTE)
+    sp = sequence_parallel and tp > 1
+    h, d, a = c.hidden_size, c.head_dim, prec.compute
+    q = c.num_attention_heads * d
+    kv = c.num_key_value_heads * d
+    inter = c.intermediate_size
+    kv_saved = q if c.num_attention_heads > c.num_key_value_heads else kv  # k, v repeated to the query heads
+    lse = 4 * c.num_attention_heads  # fp32 log-sum-exp per head
+    rotary = 2 * d * a  # cos and sin tables, built per block for the whole sequence
+    attention = (a * (q + 2 * kv_saved + q + q) + lse) / tp + rotary  # q, k, v, out, o_proj input
+    mlp = 4 * a * inter / tp  # gate out (silu input), silu out, up out, product (down input)
+    full = 2 * _norm_saved(h, prec, tp, sp) + attention + mlp
+    block_input = prec.residual * h / (tp if sp else 1)
+    if mode == "none":
+        layer = full
+    elif mode == "selective":
+        matmul_outputs = a * (q + 2 * kv + 2 * inter) / tp + 2 * a * h / (tp if sp else 1)
+        layer = block_input + matmul_outputs + (a * q + lse) / tp
+    else:
+        layer = block_input
+    vocab = c.vocab_size
+    head = _norm_saved(h, prec, tp, sp) + 4 * vocab  # final norm + lm_head input + fp32 log-softmax output
+    loss_working = (8 + a) * vocab  # logits in the compute dtype, fp32 copy, fp32 gradient
+    return ActivationModel(layer=layer, embedding=8.0, head=head,
+                           layer_working=full + (full if mode != "none" else 0.0), loss_working=loss_working)
+
+
+def inflight_microbatches(schedule: str, pp: int, virtual_stages: int, microbatches: int,
+                          pp_rank: int) -> list[int]:
+    """Micro-batches whose activations a pipeline rank holds at its peak, per local stage (chunk).
+
+    ``none`` (no pipeline) and ``1f1b`` hold ``min(m, pp - rank)`` for the stage; ``gpipe`` holds all ``m``;
+    ``interleaved_1f1b`` follows torch's warm-up: ``(v-1) * m_round + 2 (pp-1-rank)`` forwards plus one,
+    assigned to the local stages in rounds of ``m_round`` micro-batches.
+    """
+    m, v = microbatches, virtual_stages
+    if schedule in ("none", "1f1b"):
+        return [min(m, pp - pp_rank)] if schedule == "1f1b" else [1]
+    if schedule == "gpipe":
+        return [m] * v
+    if schedule == "interleaved_1f1b":
+        rounds = max(1, m // pp)
+        per_round = m // rounds
+        warmup = min((v - 1) * per_round + 2 * (pp - 1 - pp_rank), m * v)
+        inflight = min(warmup + 1, m * v)
+        counts = [0] * v
+        for step in range(inflight):
+            counts[(step // per_round) % v] += 1
+        return counts
+    raise ValueError(f"schedule={schedule!r} is not modelled; use none, 1f1b, gpipe or interleaved_1f1b")

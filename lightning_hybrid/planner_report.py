@@ -1,0 +1,218 @@
+"""Command line and report of ``lightning-hybrid plan``: flags, ranked table, assumptions, JSON."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+from typing import Optional
+
+from lightning_hybrid.models.config import PRESETS, Qwen2Config
+from lightning_hybrid.planner import Estimate, Problem, explain, search
+from lightning_hybrid.planner_memory import OPTIMIZERS, PRECISIONS
+from lightning_hybrid.planner_time import (DEFAULT_GPU_MTBF_HOURS, DEFAULT_RESTART_SECONDS, DEFAULT_STORAGE_GBPS,
+                                           GPUS, Hardware, checkpoint_plan)
+
+__all__ = ["build_parser", "build_problem", "run_plan", "assumptions"]
+
+DEFAULT_BATCH_TOKENS = 4 * 1024 * 1024
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The ``plan`` flags."""
+    p = argparse.ArgumentParser(
+        prog="lightning-hybrid plan",
+        description="Rank tp/pp/dp/micro-batch/recompute layouts by predicted step time among those that fit.")
+    p.add_argument("--model", default="qwen2.5-72b",
+                   help=f"preset ({', '.join(PRESETS)}) or a folder with a Hugging Face config.json")
+    p.add_argument("--gpus", type=int, required=True, help="total GPUs")
+    p.add_argument("--gpus-per-node", type=int, default=8, help="GPUs per node; tp stays inside a node (default 8)")
+    p.add_argument("--gpu", default="h100", choices=sorted(GPUS), help="GPU type for the defaults below (h100)")
+    p.add_argument("--seq-len", type=int, default=4096, help="tokens per sequence (4096)")
+    p.add_argument("--global-batch", type=int, default=None,
+                   help=f"sequences per optimizer step (default: {DEFAULT_BATCH_TOKENS} tokens / seq-len)")
+    p.add_argument("--precision", default="bf16-mixed", choices=sorted(PRECISIONS),
+                   help="Lightning precision (bf16-mixed: fp32 weights, gradients and AdamW states)")
+    p.add_argument("--optimizer", default="adamw", choices=sorted(OPTIMIZERS), help="optimizer (adamw)")
+    p.add_argument("--gpu-memory-gb", type=float, help="GPU memory in GB (overrides the GPU type)")
+    p.add_argument("--peak-tflops", type=float, help="dense bf16 peak TFLOP/s per GPU (overrides the GPU type)")
+    p.add_argument("--intra-node-gbps", type=float, help="NVLink bandwidth per direction per GPU, GB/s (bytes)")
+    p.add_argument("--inter-node-gbps", type=float, help="network bandwidth per GPU between nodes, Gb/s (bits)")
+    p.add_argument("--compute-efficiency", type=float, default=0.75, help="fraction of peak large matmuls reach")
+    p.add_argument("--link-efficiency", type=float, default=0.8, help="collective bus bandwidth / link bandwidth")
+    p.add_argument("--mtbf-hours", type=float,
+                   help=f"job MTBF in hours (default {DEFAULT_GPU_MTBF_HOURS:.0f} GPU-hours / gpus)")
+    p.add_argument("--save-seconds", type=float,
+                   help=f"blocking time of one checkpoint save (default: shard bytes / {DEFAULT_STORAGE_GBPS} GB/s)")
+    p.add_argument("--restart-seconds", type=float, default=DEFAULT_RESTART_SECONDS,
+                   help="time to restart and reload after a failure (600)")
+    p.add_argument("--top", type=int, default=10, help="rows of the table (10)")
+    p.add_argument("--explain", action="append", default=[], metavar="TP,PP,MODE",
+                   help="also explain a mesh, e.g. 8,1,replicate (repeatable)")
+    p.add_argument("--json", action="store_true", help="print one JSON document instead of the table")
+    return p
+
+
+def _positive(name: str, value: Optional[float]) -> None:
+    if value is not None and not value > 0:
+        raise ValueError(f"{name}={value} must be positive")
+
+
+def build_problem(args: argparse.Namespace) -> Problem:
+    """The :class:`Problem` described by parsed flags.
+
+    Raises:
+        ValueError: a flag is out of range (one line naming it and what would fit).
+    """
+    for name in ("gpus", "gpus_per_node", "seq_len", "global_batch", "gpu_memory_gb", "peak_tflops",
+                 "intra_node_gbps", "inter_node_gbps", "mtbf_hours", "save_seconds", "compute_efficiency",
+                 "link_efficiency", "top"):
+        _positive("--" + name.replace("_", "-"), getattr(args, name))
+    if args.gpus % args.gpus_per_node and args.gpus > args.gpus_per_node:
+        raise ValueError(f"--gpus={args.gpus} is not a whole number of nodes of --gpus-per-node={args.gpus_per_node}; "
+                         f"use a multiple of {args.gpus_per_node}")
+    config = Qwen2Config.resolve(args.model)
+    hw = Hardware(GPUS[args.gpu], args.gpus, min(args.gpus_per_node, args.gpus),
+                  compute_efficiency=args.compute_efficiency, link_efficiency=args.link_efficiency)
+    hw = hw.with_overrides(args.gpu_memory_gb, args.peak_tflops, args.intra_node_gbps, args.inter_node_gbps)
+    batch = args.global_batch or max(1, DEFAULT_BATCH_TOKENS // args.seq_len)
+    return Problem(config, hw, args.seq_len, batch, args.precision, args.optimizer)
+
+
+def assumptions(p: Problem) -> list[str]:
+    """Every figure and simplification the prediction rests on, one sentence each."""
+    g, hw, prec = p.hw.gpu, p.hw, PRECISIONS[p.precision]
+    states = OPTIMIZERS[p.optimizer][0]
+    return [
+        f"GPU {g.name}: {g.memory_gb:g} GB, {g.peak_tflops:g} TFLOP/s dense bf16 ({g.fp32_tflops:g} fp32), "
+        f"NVLink {g.nvlink_gbs:g} GB/s per direction, network {g.network_gbits:g} Gb/s per GPU, HBM {g.hbm_tbs:g} TB/s",
+        f"usable memory per GPU = ({g.memory_gb:g} GB - {hw.reserved_gb:g} GB CUDA context/NCCL/workspaces) x "
+        f"(1 - {hw.fragmentation:g} fragmentation) = {hw.usable_bytes / 1e9:.1f} GB",
+        f"precision {prec.name}: weights {prec.param} B, gradients {prec.grad} B, {states} {p.optimizer} states x "
+        f"{prec.state} B per parameter (+4 B step per tensor); matmul activations {prec.compute} B, residual stream "
+        f"{prec.residual} B; autocast keeps {prec.autocast_copy} B/parameter low-precision weight copies for backward",
+        "sharding as the strategy applies it: TP colwise q/k/v/gate/up (and q/k/v biases) on dim 0, rowwise o/down on "
+        "dim 1, embedding and head over the vocabulary; FSDP2 splits every TP-local tensor on dim 0 (torch.chunk)",
+        "pipeline stages hold contiguous blocks balanced by the model's declared costs; rank r holds stages "
+        "r, r+pp, ...; in-flight micro-batches: 1F1B min(m, pp-r), interleaved per torch's warm-up",
+        "FSDP under a pipeline keeps the stage's parameters and gradients unsharded through the step (torch's "
+        "schedules skip reshard-after-backward); without a pipeline one block is prefetched and the root unit stays gathered",
+        "activations: Korthikanti et al. 2022 counted per saved tensor for this model: flash-style attention (no s x s "
+        "scores), GQA k/v repeated to all heads, SwiGLU, fp32 RMSNorm; sequence parallel shards the norms only",
+        "recompute: selective keeps block input + matmul/attention outputs (+3% time); full keeps the block input "
+        "(+1/3 FLOPs); a block's backward working set and the fp32 loss are added as transients",
+        f"compute: FLOPs/token 6N + 12 L h s at {hw.compute_efficiency:g} of peak, less for small matmuls "
+        "(x/(x+128), x the smallest of tokens per micro-batch, hidden/tp, intermediate/tp)",
+        f"communication: nccl-tests bus bandwidth = {hw.link_efficiency:g} x link; latency {hw.intra_latency_s * 1e6:g} us "
+        f"in a node, {hw.inter_latency_s * 1e6:g} us across; TP comm not overlapped; replicate all-reduces gradients "
+        "once per step after backward; FSDP per micro-batch (no pipeline) overlaps with compute",
+        "pipeline bubble (pp-1)/v micro-batch times of the slowest stage plus warm-up/cool-down point-to-point",
+        f"global batch {p.global_batch} sequences x {p.seq_len} tokens; MFU uses 6N + 12 L h s model FLOPs",
+    ]
+
+
+def _gb(x: float) -> str:
+    return f"{x / 1e9:.1f}"
+
+
+def format_table(rows: list[Estimate]) -> str:
+    """The ranked table: layout, memory breakdown (GB), step time breakdown (s), MFU, tokens/s."""
+    head = (f"{'#':>3} {'tp':>2} {'pp':>3} {'dp':>3} {'dp-mode':<9} {'mbs':>3} {'m':>4} {'schedule':<13} "
+            f"{'recomp':<9} {'sp':<2} | {'wts':>5} {'grad':>5} {'opt':>5} {'act':>6} {'other':>5} {'total':>6} "
+            f"/{'usable':>6} | {'step':>6} {'comp':>6} {'tp':>6} {'bubble':>6} {'dp':>6} | {'MFU':>5} {'tok/s':>8}")
+    lines = [head, "-" * len(head)]
+    for i, e in enumerate(rows, 1):
+        L, m, t = e.layout, e.memory, e.time
+        sched = "-" if L.pp == 1 else L.schedule.replace("interleaved_", "il-") + (
+            f" v={L.virtual_stages}" if L.virtual_stages > 1 else "")
+        other = m["working"] + m["fsdp_buffers"] + m["autocast_copies"]
+        lines.append(
+            f"{i:>3} {L.tp:>2} {L.pp:>3} {L.dp:>3} {(L.data_parallel if L.dp > 1 else 'none'):<9} "
+            f"{L.micro_batch_size:>3} {L.microbatches:>4} {sched:<13} {L.recompute:<9} "
+            f"{('y' if L.sequence_parallel else 'n'):<2} | {_gb(m['weights']):>5} {_gb(m['gradients']):>5} "
+            f"{_gb(m['optimizer']):>5} {_gb(m['activations']):>6} {_gb(other):>5} {_gb(m['total']):>6} "
+            f"/{_gb(e.usable):>6} | {t['step']:>6.2f} {t['compute']:>6.2f} {t['tp_comm']:>6.2f} "
+            f"{t['pp_bubble']:>6.2f} {t['dp_comm'] + t['optimizer']:>6.2f} | {e.mfu:>5.1%} {e.tokens_per_second:>8.0f}")
+    return "\n".join(lines)
+
+
+def _nothing_fits(p: Problem, infeasible: list[Estimate]) -> str:
+    usable = p.hw.usable_bytes / 1e9
+    where = f"{p.config.name} at seq {p.seq_len} on {p.hw.gpus} x {p.hw.gpu.name} ({usable:.1f} GB usable per GPU)"
+    if not infeasible:
+        return f"nothing fits {where}: no tp/pp/dp/micro-batch combination divides the model and the batch"
+    best = infeasible[0]
+    need = best.memory["total"] / 1e9
+    state = (best.memory["weights"] + best.memory["gradients"] + best.memory["optimizer"]) / 1e9
+    more = math.ceil(p.hw.gpus * state / max(1e-9, usable - (need - state))) if usable > need - state else None
+    fix = f"about {more} GPUs, " if more else ""
+    return (f"nothing fits {where}: the smallest layout ({best.layout.describe()}) needs {need:.1f} GB per GPU; "
+            f"use {fix}a GPU with at least {need / (1 - p.hw.fragmentation) + p.hw.reserved_gb:.0f} GB "
+            f"(--gpu-memory-gb), a shorter --seq-len or a smaller model")
+
+
+def run_plan(argv: Optional[list[str]] = None) -> int:
+    """Parse ``argv``, search, print the report; 0 when a layout fits, 1 when none does, 2 on a bad flag."""
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        p = build_problem(args)
+        explain_meshes = [_parse_mesh(s) for s in args.explain]
+    except ValueError as err:
+        print(f"lightning-hybrid plan: error: {err}", file=sys.stderr)
+        return 2
+    feasible, infeasible = search(p)
+    gpn = p.hw.gpus_per_node
+    tp_max = max((t for t in range(1, gpn + 1) if gpn % t == 0 and p.config.num_key_value_heads % t == 0
+                  and p.config.num_attention_heads % t == 0), default=1)
+    baseline = explain(p, tp_max, 1, "replicate")
+    explanations = [baseline] + [explain(p, *mesh) for mesh in explain_meshes]
+    message = "" if feasible else _nothing_fits(p, infeasible)
+    checkpoint = None
+    if feasible:
+        top = feasible[0]
+        checkpoint = checkpoint_plan(top.checkpoint_bytes, p.hw.gpus, top.time["step"], args.save_seconds,
+                                     args.mtbf_hours, restart_seconds=args.restart_seconds)
+    if args.json:
+        doc = {"model": p.config.to_dict(), "gpus": p.hw.gpus, "gpus_per_node": gpn, "gpu": vars(p.hw.gpu),
+               "seq_len": p.seq_len, "global_batch": p.global_batch, "precision": p.precision,
+               "optimizer": p.optimizer, "assumptions": assumptions(p),
+               "layouts": [e.to_dict() for e in feasible[: max(args.top, 1) * 5]], "feasible_count": len(feasible),
+               "infeasible": [e.to_dict() for e in infeasible], "explanations": explanations,
+               "checkpoint": checkpoint, "message": message or None}
+        print(json.dumps(doc, indent=1))
+        return 0 if feasible else 1
+    print(f"plan: {p.config.name} ({p.config.num_parameters() / 1e9:.2f}B parameters), {p.hw.gpus} x {p.hw.gpu.name} "
+          f"({gpn} per node), seq {p.seq_len}, global batch {p.global_batch}, {p.precision}, {p.optimizer}")
+    if feasible:
+        print(f"\n{len(feasible)} layouts fit; the fastest {min(args.top, len(feasible))} "
+              "(memory in GB on the fullest rank, time in s per optimizer step):")
+        print(format_table(feasible[: args.top]))
+    else:
+        print("\n" + message, file=sys.stderr)
+    print("\nwhy not simpler layouts:")
+    for ex in explanations:
+        print("  " + ex["text"])
+    for e in infeasible[:5]:
+        print(f"  does not fit: {e.layout.describe()}: needs {e.memory['total'] / 1e9:.1f} GB of {e.usable / 1e9:.1f}")
+    if checkpoint:
+        print(f"\ncheckpoint interval (Young/Daly, tau = sqrt(2 x save x MTBF)): save {checkpoint['save_seconds']:.0f} s, "
+              f"job MTBF {checkpoint['mtbf_hours']:.1f} h -> every {checkpoint['interval_seconds'] / 60:.0f} min "
+              f"(~{checkpoint['interval_steps']} steps); expected time lost to checkpoints and failures "
+              f"{checkpoint['lost_fraction']:.1%} (restart {checkpoint['restart_seconds']:.0f} s)")
+    print("\nassumptions:")
+    for line in assumptions(p):
+        print("  - " + line)
+    return 0 if feasible else 1
+
+
+def _parse_mesh(text: str) -> tuple[int, int, str]:
+    parts = [s.strip() for s in text.split(",")]
+    try:
+        tp, pp, mode = int(parts[0]), int(parts[1]), parts[2].lower()
+    except (IndexError, ValueError):
+        raise ValueError(f"--explain {text!r} must look like TP,PP,MODE, e.g. 8,1,replicate") from None
+    if mode not in ("fsdp", "replicate"):
+        raise ValueError(f"--explain mode {mode!r} must be fsdp or replicate")
+    return tp, pp, mode
