@@ -227,6 +227,11 @@ class StageTimer:
         self.steps = 0
         self._sync = sync
 
+    def reset(self) -> None:
+        """Forget what was measured so far (call after warm-up steps)."""
+        self.busy = self.step_time = 0.0
+        self.steps = 0
+
     def wrap(self, stage: Any) -> None:
         # forward_one_chunk / backward_one_chunk / backward_weight_one_chunk are the per-micro-batch compute
         # calls of torch's PipelineStage; the schedule's p2p waits happen outside them.
