@@ -7,7 +7,6 @@ it is the worker of the two-process test.
 from __future__ import annotations
 
 import json
-import os
 import sys
 import time
 from pathlib import Path
@@ -202,6 +201,16 @@ def test_a_step_is_an_optimizer_step_under_gradient_accumulation():
     # two micro-batches of 2 x 16 tokens per optimizer step
     assert m["throughput/tokens_per_sec"] * (m["throughput/step_time"] + m["throughput/data_wait"]) == pytest.approx(64)
     assert m["throughput/mfu"] == pytest.approx(m["throughput/tflops_per_device"] / 1.0)
+
+
+def test_validation_alone_with_the_monitor_attached_logs_nothing_and_does_not_fail():
+    from torch.utils.data import DataLoader, TensorDataset
+
+    ids = torch.randint(0, 256, (4, 16))
+    monitor = ThroughputMonitor()
+    kwargs = {**TRAINER_KWARGS, "limit_val_batches": 1}
+    L.Trainer(logger=False, callbacks=[monitor], **kwargs).validate(CausalLM("tiny"), DataLoader(TensorDataset(ids, ids)))
+    assert monitor.last_metrics == {} and monitor.summary == ""
 
 
 # ---------------------------------------------------------------------- two processes

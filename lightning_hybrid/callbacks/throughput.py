@@ -292,6 +292,7 @@ class ThroughputMonitor(pl.Callback):
         self.stragglers = StragglerDetector(straggler_every_n_steps, straggler_threshold)
         self.last_metrics: dict[str, float] = {}
         self.summary = ""
+        self._sync = False
 
     # ------------------------------------------------------------------ setup
 
@@ -317,7 +318,6 @@ class ThroughputMonitor(pl.Callback):
         self._steps = self._samples = self._tokens = 0
         self._first: Optional[tuple[float, int, float]] = None  # clock, tokens, device flops after step 1
         self._device_flops = 0.0
-        self._last_global_step = trainer.global_step
         self._pending: Optional[dict[str, float]] = None
         self._batch_start = self._last_end = time.perf_counter()
         if self._sync:
@@ -325,6 +325,8 @@ class ThroughputMonitor(pl.Callback):
 
     def on_train_start(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
         self.stragglers.start(parallel_dims(trainer.strategy))
+        self._last_global_step = trainer.global_step  # after a checkpoint restore, unlike on_fit_start
+        self._pending = None
         self._last_end = time.perf_counter()
 
     def _now(self) -> float:
