@@ -251,7 +251,7 @@ class HybridParallelStrategy(ModelParallelStrategy):
             apply_fsdp(model, getattr(model, spec.blocks), mesh["dp"], reduce_dtype=self._reduce_dtype())
         model.to_empty(device=self.root_device)
         seed = self.broadcast(self.lightning_module.init_seed())
-        init_parameters(model, seed, model.parameter_init)
+        self._initialize(model, model, seed)
 
     def _shard_stage(self, stage: torch.nn.Module, spec: ParallelSpec) -> None:
         dims, mesh = self.dims, self.device_mesh
@@ -280,7 +280,7 @@ class HybridParallelStrategy(ModelParallelStrategy):
             self._shard_stage(module, spec)
             module.to_empty(device=self.root_device)
         seed = self.broadcast(self.lightning_module.init_seed())
-        init_parameters(container, seed, model.parameter_init)
+        self._initialize(container, model, seed)
         self.lightning_module.model = container
         self.stage_plans = plans
         pp_group = mesh["pp"].get_group()
@@ -299,6 +299,15 @@ class HybridParallelStrategy(ModelParallelStrategy):
                                        scale_grads=False)
         runner.grad_scale = 1.0 / max(1, trainer.accumulate_grad_batches)
         self.pipeline = runner
+
+    def _initialize(self, target: torch.nn.Module, declared: torch.nn.Module, seed: int) -> None:
+        """Fill the materialized shards: the LightningModule's ``initialize_parameters(model, seed)`` if it has one
+        (CausalLM loads pretrained weights there), else the mesh-independent random initialization."""
+        hook = getattr(self.lightning_module, "initialize_parameters", None)
+        if callable(hook):
+            hook(target, seed)
+        else:
+            init_parameters(target, seed, declared.parameter_init)
 
     def _reduce_dtype(self) -> Optional[torch.dtype]:
         if self.reduce_dtype is None:

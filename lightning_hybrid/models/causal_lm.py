@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import math
 import os
 from typing import Any, Optional, Union
@@ -13,7 +14,7 @@ import lightning.pytorch as pl
 from torchmetrics import MeanMetric
 
 from lightning_hybrid.models.config import Qwen2Config
-from lightning_hybrid.models.qwen2 import Qwen2
+from lightning_hybrid.models.qwen2 import Qwen2, parameter_init
 from lightning_hybrid.models.spec import ParallelSpec
 
 __all__ = ["CausalLM", "split_batch", "LR_SCHEDULES"]
@@ -70,6 +71,7 @@ class CausalLM(pl.LightningModule):
         lr_schedule: ``"cosine"``, ``"linear"`` or ``"constant"`` after warmup.
         min_lr_ratio: final LR as a fraction of ``lr``.
         init_seed: seed of the weight initialization; ``None`` uses the global seed (``seed_everything``).
+        init_from_hf: a Hugging Face repo id or local folder to load the initial weights from.
 
     Raises:
         ValueError: an unknown preset or schedule.
@@ -87,6 +89,7 @@ class CausalLM(pl.LightningModule):
         lr_schedule: str = "cosine",
         min_lr_ratio: float = 0.1,
         init_seed: Optional[int] = None,
+        init_from_hf: Optional[str] = None,
     ) -> None:
         super().__init__()
         self.config = Qwen2Config.resolve(model)
@@ -126,13 +129,26 @@ class CausalLM(pl.LightningModule):
             model = Qwen2(self.config)
         strategy = self._trainer.strategy if self._trainer is not None else None
         if not getattr(strategy, "materializes_declared_model", False):
-            from lightning_hybrid.initialization import init_parameters
-
             model.to_empty(device=self.device)
             if self.config.tie_word_embeddings:  # to_empty breaks the tie; restore it
                 model.lm_head.weight = model.embed_tokens.weight
-            init_parameters(model, self.init_seed(), model.parameter_init)
+            self.initialize_parameters(model, self.init_seed())
         self.model = model
+
+    def initialize_parameters(self, model: torch.nn.Module, seed: int) -> None:
+        """Fill the (possibly sharded, possibly one pipeline stage's) materialized parameters of ``model``.
+
+        Random, mesh-independent initialization from ``seed``, or the Hugging Face weights of
+        ``init_from_hf`` when given (each rank reads only its own slices).
+        """
+        if self.hparams.get("init_from_hf"):
+            from lightning_hybrid.checkpoint.hf import load_hf_weights
+
+            load_hf_weights(model, self.hparams.init_from_hf, self.config)
+            return
+        from lightning_hybrid.initialization import init_parameters
+
+        init_parameters(model, seed, functools.partial(parameter_init, self.config))
 
     def forward(self, input_ids: Tensor) -> Tensor:
         assert self.model is not None, "call configure_model() first"

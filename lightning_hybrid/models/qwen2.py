@@ -16,9 +16,25 @@ from torch import Tensor, nn
 from lightning_hybrid.models.config import Qwen2Config
 from lightning_hybrid.models.spec import ParallelSpec
 
-__all__ = ["Qwen2", "Qwen2Block", "RMSNorm", "rotary_tables", "apply_rotary", "IGNORE_INDEX"]
+__all__ = ["Qwen2", "Qwen2Block", "parameter_init", "RMSNorm", "rotary_tables", "apply_rotary", "IGNORE_INDEX"]
 
 IGNORE_INDEX = -100
+
+
+def parameter_init(config: Qwen2Config, name: str) -> tuple[str, float]:
+    """How the Qwen2 parameter ``name`` is initialized: ``("normal", std)``, ``("ones", 0)`` or ``("zeros", 0)``.
+
+    Residual output projections (``o_proj``, ``down_proj``) get std scaled by 1/sqrt(2 * layers), as in
+    GPT-2 and torchtitan, so the residual stream does not grow with depth.
+    """
+    if name.endswith("layernorm.weight") or name == "norm.weight":
+        return "ones", 0.0
+    if name.endswith(".bias"):
+        return "zeros", 0.0
+    std = config.initializer_range
+    if name.endswith("o_proj.weight") or name.endswith("down_proj.weight"):
+        std = std / math.sqrt(2 * config.num_hidden_layers)
+    return "normal", std
 
 
 class RMSNorm(nn.Module):
@@ -157,19 +173,8 @@ class Qwen2(nn.Module):
         return loss, (labels != IGNORE_INDEX).sum()
 
     def parameter_init(self, name: str) -> tuple[str, float]:
-        """How the parameter ``name`` is initialized: ``("normal", std)``, ``("ones", 0)`` or ``("zeros", 0)``.
-
-        Residual output projections (``o_proj``, ``down_proj``) get std scaled by 1/sqrt(2 * layers), as in
-        GPT-2 and torchtitan, so the residual stream does not grow with depth.
-        """
-        if name.endswith("layernorm.weight") or name == "norm.weight":
-            return "ones", 0.0
-        if name.endswith(".bias"):
-            return "zeros", 0.0
-        std = self.config.initializer_range
-        if name.endswith("o_proj.weight") or name.endswith("down_proj.weight"):
-            std = std / math.sqrt(2 * self.config.num_hidden_layers)
-        return "normal", std
+        """How the parameter ``name`` is initialized (see :func:`parameter_init`)."""
+        return parameter_init(self.config, name)
 
     def parallel_spec(self) -> ParallelSpec:
         """Parts, TP plan and relative costs of this model (see :class:`ParallelSpec`)."""
