@@ -180,7 +180,7 @@ def estimate(p: Problem, layout: Layout) -> Estimate:
             fsdp_buffers = gathered - block * mem["blocks"] + 2 * block
         else:
             fsdp_buffers = 50e6 if L.dp > 1 else 0.0  # the all-reduce buckets
-        autocast = mem["stage_param_numel"] * prec.autocast_copy
+        autocast = mem["matmul_param_numel"] * prec.autocast_copy
         optimizer_temp = mem["param_numel"] * prec.state  # foreach AdamW's sqrt(exp_avg_sq) temporary
         static = mem["param_bytes"] + mem["grad_bytes"] + mem["optimizer_bytes"]
         extra = held + working + fsdp_buffers + autocast

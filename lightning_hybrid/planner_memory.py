@@ -228,7 +228,7 @@ def rank_memory(config: Qwen2Config, tp: int, pp: int, dp: int, data_parallel: s
     Returns:
         ``param_numel``, ``param_tensors``, ``param_bytes``, ``grad_bytes``, ``optimizer_bytes`` (states plus
         step scalars), ``optimizer_state_numel``, ``stage_param_numel`` (TP-local, before dp sharding: what
-        FSDP gathers) and ``blocks`` (blocks held by the rank).
+        FSDP gathers), ``matmul_param_numel`` (the part of it that feeds matmuls) and ``blocks``.
 
     Raises:
         ValueError: a coordinate is out of range, or the stages do not cover the blocks.
@@ -258,6 +258,11 @@ def rank_memory(config: Qwen2Config, tp: int, pp: int, dp: int, data_parallel: s
         "optimizer_state_numel": numel * states,
         "optimizer_bytes": numel * states * prec.state + (len(shapes) * _STEP_BYTES if has_step else 0),
         "stage_param_numel": sum(_numel(shape) for shape in shapes.values()),
+        # weights and biases that feed a matmul (what autocast copies): all but the norms and the embedding lookup
+        "matmul_param_numel": sum(_numel(shape) for name, shape in shapes.items()
+                                  if not name.endswith("norm.weight") and not (
+                                      name == "embed_tokens.weight" and not (config.tie_word_embeddings and
+                                                                             num_stages - 1 in mine))),
         "blocks": len(blocks),
     }
 
@@ -284,10 +289,16 @@ class ActivationModel:
     loss_working: float
 
 
-def _norm_saved(h: float, prec: Precision, tp: int, sp: bool) -> float:
-    """RMSNorm: the fp32 input (4h), its normalized value in the model dtype, and the consumer's input."""
-    own = (4 + prec.residual) * h
-    consumer = prec.compute * h  # the next linear saves its (gathered, cast) input
+def _norm_saved(h: float, prec: Precision, tp: int, sp: bool, consumers: int) -> float:
+    """RMSNorm and the inputs its consumers save.
+
+    The norm saves its fp32 input (4h), the normalized value in the model dtype and the fp32 rsqrt. A
+    linear after it saves its input: the norm output itself when the dtypes agree (one tensor shared by
+    all consumers), else one autocast copy per consumer (q, k, v: 3; gate, up: 2; head: 1). Under sequence
+    parallel the norm works on a shard and the consumers save the all-gathered full sequence.
+    """
+    own = (4 + prec.residual) * h + 4
+    consumer = prec.residual * h if prec.compute == prec.residual else consumers * prec.compute * h
     return (own / tp if sp else own) + consumer
 
 
@@ -308,10 +319,11 @@ def activation_model(config: Qwen2Config, tp: int = 1, sequence_parallel: bool =
     inter = c.intermediate_size
     kv_saved = q if c.num_attention_heads > c.num_key_value_heads else kv  # k, v repeated to the query heads
     lse = 4 * c.num_attention_heads  # fp32 log-sum-exp per head
-    rotary = 2 * d * a  # cos and sin tables, built per block for the whole sequence
-    attention = (a * (q + 2 * kv_saved + q + q) + lse) / tp + rotary  # q, k, v, out, o_proj input
+    rotary = 2 * d * a  # cos and sin tables of the block (per position; exact for one sequence per micro-batch)
+    # q, k, v and the attention output (o_proj's input is a view of it)
+    attention = (a * (q + 2 * kv_saved + q) + lse) / tp + rotary
     mlp = 4 * a * inter / tp  # gate out (silu input), silu out, up out, product (down input)
-    full = 2 * _norm_saved(h, prec, tp, sp) + attention + mlp
+    full = _norm_saved(h, prec, tp, sp, 3) + _norm_saved(h, prec, tp, sp, 2) + attention + mlp
     block_input = prec.residual * h / (tp if sp else 1)
     if mode == "none":
         layer = full
@@ -321,7 +333,7 @@ def activation_model(config: Qwen2Config, tp: int = 1, sequence_parallel: bool =
     else:
         layer = block_input
     vocab = c.vocab_size
-    head = _norm_saved(h, prec, tp, sp) + 4 * vocab  # final norm + lm_head input + fp32 log-softmax output
+    head = _norm_saved(h, prec, tp, sp, 1) + 4 * vocab  # final norm + lm_head input + fp32 log-softmax output
     loss_working = (8 + a) * vocab  # logits in the compute dtype, fp32 copy, fp32 gradient
     return ActivationModel(layer=layer, embedding=8.0, head=head,
                            layer_working=full + (full if mode != "none" else 0.0), loss_working=loss_working)
