@@ -98,6 +98,56 @@ class Qwen2Config:
         raise ValueError(f"unknown model {model!r}; use a preset ({', '.join(PRESETS)}), a Qwen2Config "
                          f"or a folder with a config.json")
 
+    @classmethod
+    def from_hf(cls, path: Union[str, Path]) -> "Qwen2Config":
+        """Read a Hugging Face ``config.json`` (a folder holding one, the file itself, or a Hub repo id).
+
+        Both the classic layout (``rope_theta``, ``rope_scaling``) and the newer ``rope_parameters`` are
+        understood. A repo id is resolved with :func:`lightning_hybrid.checkpoint.hf.resolve_hf_path`.
+
+        Raises:
+            FileNotFoundError: no ``config.json`` there.
+            ValueError: the config describes something this Qwen2 implementation does not compute
+                (another ``model_type``, sliding-window attention, rope scaling, an activation other than silu).
+        """
+        file = Path(path)
+        if file.is_dir():
+            file = file / "config.json"
+        elif not file.exists() and isinstance(path, str) and path.count("/") == 1:
+            from lightning_hybrid.checkpoint.hf import resolve_hf_path  # lazy: needs huggingface_hub
+
+            file = resolve_hf_path(path) / "config.json"
+        if not file.is_file():
+            raise FileNotFoundError(f"no config.json at {file}; pass a Hugging Face model folder or repo id")
+        values = json.loads(file.read_text())
+        where = str(file)
+        model_type = values.get("model_type", "qwen2")
+        if model_type != "qwen2":
+            raise ValueError(f"{where}: model_type={model_type!r} is not supported; only 'qwen2' (Qwen2 / Qwen2.5) is")
+        if values.get("use_sliding_window", False):
+            raise ValueError(f"{where}: use_sliding_window=true is not supported (only full attention is "
+                             f"implemented); set it to false")
+        layer_types = set(values.get("layer_types") or ["full_attention"])
+        if layer_types != {"full_attention"}:
+            raise ValueError(f"{where}: layer_types {sorted(layer_types)} are not supported; only full_attention is")
+        hidden_act = values.get("hidden_act", "silu")
+        if hidden_act != "silu":
+            raise ValueError(f"{where}: hidden_act={hidden_act!r} is not supported; only 'silu' is")
+        rope = dict(values.get("rope_parameters") or {})
+        scaling = values.get("rope_scaling") or {}
+        rope_type = rope.get("rope_type") or scaling.get("rope_type") or scaling.get("type") or "default"
+        if rope_type != "default":
+            raise ValueError(f"{where}: rope scaling type {rope_type!r} is not implemented; only plain RoPE "
+                             f"('default') is; remove rope_scaling to train at the native context length")
+        fields = dict(values)
+        if "rope_theta" in rope:
+            fields["rope_theta"] = rope["rope_theta"]
+        for key in ("rope_theta", "rms_norm_eps", "initializer_range"):
+            if key in fields:
+                fields[key] = float(fields[key])
+        fields["name"] = str(path)
+        return cls.from_dict(fields)
+
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
 

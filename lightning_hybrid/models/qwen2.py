@@ -152,6 +152,28 @@ class Qwen2(nn.Module):
         h = self.norm(h) if self.norm is not None else h
         return self.lm_head(h) if self.lm_head is not None else h
 
+    @classmethod
+    def from_hf(cls, path: str) -> "Qwen2":
+        """A plain single-process model with the weights of a Hugging Face Qwen2 folder or repo id (fp32, CPU).
+
+        For tests, notebooks and inference checks; training loads through ``CausalLM(init_from_hf=...)``.
+
+        Raises:
+            ValueError: the config is not supported or the weights do not match it (see
+                :func:`lightning_hybrid.checkpoint.hf.load_hf_weights`).
+        """
+        from lightning_hybrid.checkpoint.hf import load_hf_weights, resolve_hf_path  # lazy: keeps models/ light
+
+        folder = resolve_hf_path(path)
+        config = Qwen2Config.from_hf(folder)
+        with torch.device("meta"):
+            model = cls(config)
+        model.to_empty(device="cpu")
+        if config.tie_word_embeddings:  # to_empty breaks the tie; restore it
+            model.lm_head.weight = model.embed_tokens.weight
+        load_hf_weights(model, folder, config)
+        return model
+
     def num_parameters(self, include_embedding: bool = True) -> int:
         """Number of distinct parameters held by this module (tied weights counted once; works on meta)."""
         seen: dict[int, int] = {}

@@ -1,0 +1,304 @@
+"""Hugging Face Qwen2 weights: the name table, repo resolution, and lazy sharded loading.
+
+A rank never reads a whole model: for each of its parameters (a plain tensor, a TP or FSDP2 shard,
+or one pipeline stage's part) it computes the region of the global tensor it holds and reads just
+that slice from the safetensors file through safetensors' memory-mapped slice API. Only
+safetensors files are read, so loading never unpickles anything.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Iterable, Iterator
+from contextlib import ExitStack
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Optional, Union
+
+import torch
+from torch import nn
+
+from lightning_hybrid.models.config import Qwen2Config
+
+__all__ = [
+    "HF_NAME_TABLE", "hf_to_ours", "ours_to_hf", "resolve_hf_path", "load_hf_weights", "expected_hf_tensors",
+    "SafetensorsFolder", "read_stats", "ARCHITECTURE_FIELDS", "TOKENIZER_FILES",
+]
+
+_BLOCK_TENSORS = (
+    "self_attn.q_proj.weight", "self_attn.q_proj.bias",
+    "self_attn.k_proj.weight", "self_attn.k_proj.bias",
+    "self_attn.v_proj.weight", "self_attn.v_proj.bias",
+    "self_attn.o_proj.weight",
+    "mlp.gate_proj.weight", "mlp.up_proj.weight", "mlp.down_proj.weight",
+    "input_layernorm.weight", "post_attention_layernorm.weight",
+)
+
+# The one mapping between Hugging Face tensor names and ours, read in both directions. ``{i}`` is the
+# global block index.
+HF_NAME_TABLE: tuple[tuple[str, str], ...] = (
+    ("model.embed_tokens.weight", "embed_tokens.weight"),
+    *((f"model.layers.{{i}}.{suffix}", f"layers.{{i}}.{suffix}") for suffix in _BLOCK_TENSORS),
+    ("model.norm.weight", "norm.weight"),
+    ("lm_head.weight", "lm_head.weight"),
+)
+
+# Tensors some exporters add that carry no learned weights (the rotary table is recomputed).
+_IGNORED_HF = re.compile(r"model\.layers\.\d+\.self_attn\.rotary_emb\.inv_freq")
+
+# Fields of config.json that decide shapes or math; all must agree with the model asked for.
+ARCHITECTURE_FIELDS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
+                       "num_attention_heads", "num_key_value_heads", "tie_word_embeddings", "rope_theta",
+                       "rms_norm_eps")
+
+# Files of a Hugging Face folder that belong to the tokenizer (copied on export).
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.json", "merges.txt", "special_tokens_map.json",
+                   "added_tokens.json", "tokenizer.model", "chat_template.jinja", "chat_template.json")
+
+_REPO_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
+
+
+def _compile(pattern: str) -> re.Pattern[str]:
+    return re.compile(re.escape(pattern).replace(re.escape("{i}"), r"(?P<i>\d+)") + "$")
+
+
+_FORWARD = [(_compile(hf), ours) for hf, ours in HF_NAME_TABLE]
+_BACKWARD = [(_compile(ours), hf) for hf, ours in HF_NAME_TABLE]
+
+
+def _translate(name: str, table: list[tuple[re.Pattern[str], str]]) -> Optional[str]:
+    for pattern, target in table:
+        match = pattern.match(name)
+        if match:
+            return target.replace("{i}", match.group("i")) if "i" in match.groupdict() else target
+    return None
+
+
+def hf_to_ours(name: str) -> Optional[str]:
+    """Our parameter name for a Hugging Face tensor name, or ``None`` when the table has no such tensor."""
+    return _translate(name, _FORWARD)
+
+
+def ours_to_hf(name: str) -> str:
+    """The Hugging Face tensor name of our parameter ``name``.
+
+    Raises:
+        KeyError: ``name`` is not a Qwen2 parameter.
+    """
+    hf = _translate(name, _BACKWARD)
+    if hf is None:
+        raise KeyError(f"{name!r} is not a Qwen2 parameter name; the mapping knows {len(HF_NAME_TABLE)} patterns "
+                       f"(embed_tokens.weight, layers.N.<...>, norm.weight, lm_head.weight)")
+    return hf
+
+
+def expected_hf_tensors(config: Qwen2Config) -> dict[str, tuple[int, ...]]:
+    """Hugging Face name -> shape of every tensor a checkpoint of ``config`` holds (no ``lm_head`` when tied)."""
+    from lightning_hybrid.models.qwen2 import Qwen2
+
+    with torch.device("meta"):
+        model = Qwen2(config)
+    return {ours_to_hf(name): tuple(p.shape) for name, p in model.named_parameters()}  # tied weights listed once
+
+
+@dataclass
+class ReadStats:
+    """What the last :func:`load_hf_weights` call in this process read from disk."""
+
+    bytes_read: int = 0
+    tensors_read: int = 0
+
+    def reset(self) -> None:
+        self.bytes_read = 0
+        self.tensors_read = 0
+
+
+read_stats = ReadStats()
+
+
+def resolve_hf_path(path_or_repo: Union[str, Path],
+                    allow_patterns: Iterable[str] = ("*.json", "*.safetensors")) -> Path:
+    """A local folder for a Hugging Face model: a local path as is, a repo id through the Hub cache.
+
+    A repo id (``Qwen/Qwen2.5-72B``) is fetched with ``huggingface_hub.snapshot_download`` restricted to
+    ``allow_patterns`` (progress bar included); files already in the cache are not fetched again, and
+    with ``HF_HUB_OFFLINE=1`` only the cache is used. Concurrent calls from several ranks share the
+    Hub's file locks.
+
+    Raises:
+        FileNotFoundError: neither an existing folder nor a repo id, or the repo is not in the offline cache.
+    """
+    path = Path(path_or_repo).expanduser()
+    if path.is_dir():
+        return path
+    if path.exists():
+        raise FileNotFoundError(f"{path} is a file; pass the Hugging Face model folder that contains it")
+    repo = str(path_or_repo)
+    if not _REPO_ID.match(repo):
+        raise FileNotFoundError(f"{repo}: no such folder, and not a Hugging Face repo id (org/name)")
+    from huggingface_hub import constants, snapshot_download
+    from huggingface_hub.errors import LocalEntryNotFoundError, RepositoryNotFoundError
+
+    try:
+        return Path(snapshot_download(repo_id=repo, allow_patterns=list(allow_patterns)))
+    except RepositoryNotFoundError as err:
+        raise FileNotFoundError(f"Hugging Face repo {repo!r} not found (or gated: log in with `hf auth login`)") from err
+    except LocalEntryNotFoundError as err:
+        how = ("HF_HUB_OFFLINE=1 is set" if constants.HF_HUB_OFFLINE else "the Hub cannot be reached")
+        raise FileNotFoundError(f"Hugging Face repo {repo!r} is not in the local cache ({constants.HF_HUB_CACHE}) "
+                                f"and {how}; download it first (`hf download {repo}`) or pass a local folder") from err
+
+
+class SafetensorsFolder:
+    """The tensors of a Hugging Face folder: one ``model.safetensors`` or shards listed in ``model.safetensors.index.json``.
+
+    Files are opened lazily (memory-mapped) and headers read without touching tensor data. Use as a
+    context manager so the files are closed.
+
+    Raises:
+        FileNotFoundError: the folder has no safetensors file (``.bin``/``.pt`` files are refused: they are pickles).
+        ValueError: the index names a shard that does not exist.
+    """
+
+    def __init__(self, folder: Union[str, Path]) -> None:
+        self.folder = Path(folder)
+        self._stack: Optional[ExitStack] = None
+        self._handles: dict[str, Any] = {}
+        index = self.folder / "model.safetensors.index.json"
+        if index.is_file():
+            weight_map: dict[str, str] = json.loads(index.read_text())["weight_map"]
+            missing = sorted({f for f in weight_map.values() if not (self.folder / f).is_file()})
+            if missing:
+                raise ValueError(f"{index} lists {len(missing)} shard(s) that are not there: {', '.join(missing[:3])}; "
+                                 f"the download is incomplete")
+            self.weight_map = dict(weight_map)
+            self._files = sorted(set(weight_map.values()))
+        else:
+            files = sorted(p.name for p in self.folder.glob("*.safetensors"))
+            if not files:
+                pickles = sorted(p.name for p in self.folder.glob("*.bin")) + sorted(p.name for p in self.folder.glob("*.pt"))
+                hint = (f" (found {', '.join(pickles[:3])}: pickled weights are never loaded; convert them to "
+                        f"safetensors)" if pickles else "")
+                raise FileNotFoundError(f"no *.safetensors files in {self.folder}{hint}")
+            self._files = files
+            self.weight_map = {}
+            for file in files:
+                for name in self._handle(file).keys():
+                    self.weight_map[name] = file
+
+    def _handle(self, file: str) -> Any:
+        from safetensors import safe_open
+
+        if file not in self._handles:
+            if self._stack is None:
+                self._stack = ExitStack()
+            self._handles[file] = self._stack.enter_context(safe_open(str(self.folder / file), framework="pt"))
+        return self._handles[file]
+
+    def __enter__(self) -> "SafetensorsFolder":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+    def close(self) -> None:
+        if self._stack is not None:
+            self._stack.close()
+        self._stack, self._handles = None, {}
+
+    def names(self) -> list[str]:
+        return list(self.weight_map)
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        return tuple(self._handle(self.weight_map[name]).get_slice(name).get_shape())
+
+    def read(self, name: str, offset: tuple[int, ...], shape: tuple[int, ...]) -> torch.Tensor:
+        """The region ``[offset, offset + shape)`` of tensor ``name``; only those bytes are read."""
+        part = self._handle(self.weight_map[name]).get_slice(name)
+        tensor = part[tuple(slice(o, o + n) for o, n in zip(offset, shape))]
+        read_stats.bytes_read += tensor.numel() * tensor.element_size()
+        read_stats.tensors_read += 1
+        return tensor
+
+
+def _check_config(folder: Path, config: Qwen2Config) -> None:
+    if not (folder / "config.json").is_file():
+        return  # weights only; the shape checks below still catch a different model
+    found = Qwen2Config.from_hf(folder)
+    diffs = [f"{k}={getattr(found, k)!r} (asked for {getattr(config, k)!r})" for k in ARCHITECTURE_FIELDS
+             if getattr(found, k) != getattr(config, k)]
+    if diffs:
+        raise ValueError(f"{folder} holds another model than {config.name!r}: {', '.join(diffs)}; pass "
+                         f"model=Qwen2Config.from_hf({str(folder)!r}) or the preset that matches these weights")
+
+
+def _check_tensors(files: SafetensorsFolder, config: Qwen2Config) -> dict[str, tuple[int, ...]]:
+    """Every tensor present, nothing extra, every shape right; the same verdict on every rank (headers only)."""
+    expected = expected_hf_tensors(config)
+    present = set(files.names())
+    missing = [n for n in expected if n not in present]
+    if missing:
+        more = f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""
+        raise ValueError(f"tensor {missing[0]} is missing from {files.folder}{more}; the folder does not hold a "
+                         f"complete {config.name!r} checkpoint")
+    allowed = set(expected)
+    if config.tie_word_embeddings:
+        allowed.add("lm_head.weight")  # some exporters write the tied head anyway; it equals the embedding
+    extra = sorted(n for n in present - allowed if not _IGNORED_HF.match(n))
+    if extra:
+        more = f" (and {len(extra) - 1} more)" if len(extra) > 1 else ""
+        raise ValueError(f"unexpected tensor {extra[0]} in {files.folder}{more}: not part of a Qwen2 model with "
+                         f"{config.num_hidden_layers} layers and tie_word_embeddings={config.tie_word_embeddings}")
+    for name, shape in expected.items():
+        found = files.shape(name)
+        if found != shape:
+            raise ValueError(f"tensor {name} in {files.folder} has shape {list(found)} but the model expects "
+                             f"{list(shape)}; the weights are from another model size")
+    return expected
+
+
+def _parameters(model: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
+    from lightning_hybrid.initialization import canonical_name
+
+    for raw, param in model.named_parameters():
+        yield canonical_name(raw), param
+
+
+@torch.no_grad()
+def load_hf_weights(model: nn.Module, path_or_repo: Union[str, Path], config: Qwen2Config) -> None:
+    """Fill the materialized parameters of ``model`` from a Hugging Face Qwen2 checkpoint, slice by slice.
+
+    ``model`` may be a plain :class:`~lightning_hybrid.models.Qwen2`, one whose parameters are TP or FSDP2
+    DTensor shards, or a pipeline stage container holding some blocks; parameter names must be the
+    global ones. Each rank reads only the regions of its shards. No collective is used, and all checks
+    read headers only, so a bad folder fails the same way on every rank.
+
+    Args:
+        model: the materialized module to fill.
+        path_or_repo: a local folder or a Hub repo id (see :func:`resolve_hf_path`).
+        config: the configuration the model was built with; ``config.json`` must agree with it.
+
+    Raises:
+        FileNotFoundError: no such folder or repo, or no safetensors files in it.
+        ValueError: ``config.json`` describes another model, a tensor is missing, extra or of the wrong
+            shape, or ``model`` has a parameter that is not a Qwen2 weight.
+    """
+    from lightning_hybrid.initialization import _local_region
+
+    read_stats.reset()
+    folder = resolve_hf_path(path_or_repo)
+    _check_config(folder, config)
+    with SafetensorsFolder(folder) as files:
+        expected = _check_tensors(files, config)
+        for name, param in _parameters(model):
+            hf = ours_to_hf(name)
+            if hf not in expected:  # e.g. lm_head of a model built untied from a tied config
+                raise ValueError(f"parameter {name} of the model has no tensor {hf} in a checkpoint of {config.name!r}")
+            local, shape, offset = _local_region(param)
+            if shape != expected[hf]:
+                raise ValueError(f"parameter {name} has shape {list(shape)} but tensor {hf} in {folder} has "
+                                 f"{list(expected[hf])}")
+            if local.numel() == 0:
+                continue
+            local.copy_(files.read(hf, offset, tuple(local.shape)))
