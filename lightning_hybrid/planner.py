@@ -17,6 +17,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Optional
 
 from lightning_hybrid.mesh import divisors
+from lightning_hybrid.pipeline import validate_schedule
 from lightning_hybrid.models.config import Qwen2Config
 from lightning_hybrid.planner_memory import (OPTIMIZERS, PRECISIONS, RECOMPUTE, activation_model,
                                              inflight_microbatches, rank_memory, rank_parameter_shapes, rank_stages,
@@ -112,8 +113,8 @@ def _layout_reason(p: Problem, tp: int, pp: int, dp: int, v: int) -> str:
     for name in ("num_attention_heads", "num_key_value_heads"):
         if getattr(c, name) % tp:
             return f"tp={tp} does not divide {name}={getattr(c, name)}"
-    if c.tie_word_embeddings and tp > 1:
-        return "tied embeddings are not supported with tp>1"
+    if c.tie_word_embeddings and (tp > 1 or pp > 1):
+        return "tied embeddings are not supported with tp>1 or pp>1"
     if pp * v > c.num_hidden_layers:
         return f"pp*virtual_stages={pp * v} exceeds {c.num_hidden_layers} blocks"
     if p.global_batch % dp:
@@ -212,7 +213,7 @@ def estimate(p: Problem, layout: Layout) -> Estimate:
     if L.dp == 1:
         dp_time = 0.0
     elif not fsdp:
-        dp_time = collective_seconds("all_reduce", mem["stage_param_numel"] * prec.grad, L.dp, dp_bw, dp_lat)
+        dp_time = collective_seconds("all_reduce", mem["grad_numel"] * prec.grad, L.dp, dp_bw, dp_lat)
     elif L.pp > 1:
         dp_time = (collective_seconds("all_gather", stage_bytes, L.dp, dp_bw, dp_lat)
                    + collective_seconds("reduce_scatter", mem["stage_param_numel"] * prec.grad, L.dp, dp_bw, dp_lat))
@@ -250,8 +251,11 @@ def candidates(p: Problem, tp: int, pp: int, modes: Optional[tuple[str, ...]] = 
             for schedule, v in (p.schedules if pp > 1 else (("none", 1),)):
                 if _layout_reason(p, tp, pp, dp, v):
                     continue
-                if pp > 1 and (m < pp or m % max(1, m // pp)):
-                    continue  # torch's schedules need m >= pp (and whole rounds when interleaved)
+                if pp > 1:
+                    try:
+                        validate_schedule(schedule, pp, v, m)
+                    except ValueError:
+                        continue
                 for recompute in RECOMPUTE:
                     for sp in ((False, True) if tp > 1 else (False,)):
                         yield Layout(tp, pp, dp, mode, mbs, m, schedule, v, recompute, sp)

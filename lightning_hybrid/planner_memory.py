@@ -9,8 +9,12 @@ strategy applies, so they agree exactly with what a rank allocates:
   ranks may get fewer).
 * FSDP2 over ``dp``: every (TP-local) parameter is split on dim 0 into chunks of ``ceil(n / dp)`` rows,
   again with ``torch.chunk`` semantics (a rank may hold 0 rows). ``replicate`` keeps full copies.
-* pipeline: stages hold contiguous blocks; stage 0 also holds the embedding, the last stage the final
-  norm and the head. A rank holds ``virtual_stages`` stages (``r, r + pp, ...``).
+* pipeline: stages hold contiguous blocks split as the strategy does
+  (:func:`lightning_hybrid.pipeline.plan_stages`); stage 0 also holds the embedding, the last stage the
+  final norm and the head. A rank holds ``virtual_stages`` stages (``r, r + pp, ...``, or ``r, 2pp-1-r``
+  for V-shaped schedules).
+* gradients are shaped like the local parameters, except that torch's vocabulary-parallel embedding
+  produces a full-vocabulary (Replicate) gradient on every TP rank when FSDP does not shard it.
 * AdamW keeps ``exp_avg`` and ``exp_avg_sq`` like the parameter (torch's ``zeros_like``, so in the
   parameter dtype) and a 4-byte fp32 ``step`` scalar per parameter tensor.
 
@@ -92,59 +96,41 @@ def chunk_rows(n: int, parts: int, index: int) -> int:
 # ----------------------------------------------------------------------------- pipeline stages
 
 
-def stage_costs(config: Qwen2Config) -> tuple[float, float, float]:
-    """(block, embedding, head) relative costs, as the model declares them for pipeline balancing."""
+def _spec(config: Qwen2Config):
     from lightning_hybrid.models.qwen2 import Qwen2
 
     # parallel_spec() reads only self.config; calling it unbound avoids building the model.
-    spec = Qwen2.parallel_spec(types.SimpleNamespace(config=config))  # type: ignore[arg-type]
+    return Qwen2.parallel_spec(types.SimpleNamespace(config=config))  # type: ignore[arg-type]
+
+
+def stage_costs(config: Qwen2Config) -> tuple[float, float, float]:
+    """(block, embedding, head) relative costs, as the model declares them for pipeline balancing."""
+    spec = _spec(config)
     return spec.block_cost, spec.embedding_cost, spec.head_cost
 
 
 @functools.lru_cache(maxsize=4096)
 def split_blocks(config: Qwen2Config, num_stages: int) -> tuple[int, ...]:
-    """Contiguous block counts per stage that minimize the costliest stage (embedding first, head last).
+    """Block counts per stage, as the strategy splits them (:func:`lightning_hybrid.pipeline.plan_stages`).
 
     Raises:
         ValueError: more stages than blocks.
     """
-    blocks = config.num_hidden_layers
-    if num_stages < 1 or num_stages > blocks:
-        raise ValueError(f"{num_stages} pipeline stages for {blocks} blocks; use 1 to {blocks} stages")
+    from lightning_hybrid.pipeline import plan_stages
+
     if num_stages == 1:
-        return (blocks,)
-    block, embedding, head = stage_costs(config)
-
-    def cost(stage: int, count: int) -> float:
-        return count * block + (embedding if stage == 0 else 0.0) + (head if stage == num_stages - 1 else 0.0)
-
-    # best[s][b]: the smallest possible maximum stage cost putting the first b blocks on stages 0..s.
-    inf = float("inf")
-    best = [[inf] * (blocks + 1) for _ in range(num_stages)]
-    choice = [[0] * (blocks + 1) for _ in range(num_stages)]
-    for b in range(1, blocks + 1):
-        best[0][b] = cost(0, b)
-        choice[0][b] = b
-    for s in range(1, num_stages):
-        for b in range(s + 1, blocks + 1):
-            for last in range(1, b - s + 1):  # blocks on stage s; every stage keeps at least one
-                value = max(best[s - 1][b - last], cost(s, last))
-                if value < best[s][b] - 1e-12:
-                    best[s][b], choice[s][b] = value, last
-    counts, b = [], blocks
-    for s in range(num_stages - 1, -1, -1):
-        counts.append(choice[s][b])
-        b -= choice[s][b]
-    return tuple(reversed(counts))
+        return (config.num_hidden_layers,)
+    return tuple(p.num_blocks for p in plan_stages(_spec(config), config.num_hidden_layers, num_stages))
 
 
 def rank_stages(pp: int, virtual_stages: int = 1, style: str = "loop") -> list[list[int]]:
     """Stage indices each pipeline rank holds: ``loop`` gives ``r, r + pp, ...``; ``v`` gives ``r, 2pp-1-r``."""
-    if style == "v":
-        if virtual_stages != 2:
-            raise ValueError(f"V-shaped schedules place 2 stages per rank, got virtual_stages={virtual_stages}")
-        return [[r, 2 * pp - 1 - r] for r in range(pp)]
-    return [[r + k * pp for k in range(virtual_stages)] for r in range(pp)]
+    from lightning_hybrid.pipeline import stage_ids_for_rank
+
+    if style == "v" and virtual_stages != 2:
+        raise ValueError(f"V-shaped schedules place 2 stages per rank, got virtual_stages={virtual_stages}")
+    schedule = "zbv_zero_bubble" if style == "v" else "interleaved_1f1b"
+    return [stage_ids_for_rank(r, pp, virtual_stages, schedule) for r in range(pp)]
 
 
 # ----------------------------------------------------------------------------- parameters
@@ -170,6 +156,9 @@ def rank_parameter_shapes(config: Qwen2Config, tp: int, tp_rank: int, blocks: Se
     c = config
     if c.tie_word_embeddings and tp > 1:
         raise ValueError(f"tie_word_embeddings=True is not supported with tp={tp}; use tp=1 or untie the embeddings")
+    if c.tie_word_embeddings and embedding != head:
+        raise ValueError("tie_word_embeddings=True is not supported with pp>1 (the first and last stage would share "
+                         "a weight); use pp=1 or untie the embeddings")
     h, q, kv, inter = c.hidden_size, c.num_attention_heads * c.head_dim, c.num_key_value_heads * c.head_dim, \
         c.intermediate_size
     vocab_dim = 0 if tp > 1 else None
@@ -226,7 +215,7 @@ def rank_memory(config: Qwen2Config, tp: int, pp: int, dp: int, data_parallel: s
             :func:`split_blocks`.
 
     Returns:
-        ``param_numel``, ``param_tensors``, ``param_bytes``, ``grad_bytes``, ``optimizer_bytes`` (states plus
+        ``param_numel``, ``grad_numel``, ``param_tensors``, ``param_bytes``, ``grad_bytes``, ``optimizer_bytes`` (states plus
         step scalars), ``optimizer_state_numel``, ``stage_param_numel`` (TP-local, before dp sharding: what
         FSDP gathers), ``matmul_param_numel`` (the part of it that feeds matmuls) and ``blocks``.
 
@@ -248,13 +237,19 @@ def rank_memory(config: Qwen2Config, tp: int, pp: int, dp: int, data_parallel: s
     mine = rank_stages(pp, virtual_stages, stage_style)[stage_index]
     blocks = [b for s in mine for b in range(starts[s], starts[s] + counts[s])]
     shapes = rank_parameter_shapes(config, tp, tp_rank, blocks, embedding=0 in mine, head=num_stages - 1 in mine)
-    fsdp = mode == "fsdp"
+    fsdp = mode == "fsdp" and dp > 1
     numel = sum(_dp_local_numel(shape, dp, dp_rank, fsdp) for shape in shapes.values())
+    grad_numel = numel
+    if tp > 1 and not fsdp and "embed_tokens.weight" in shapes:
+        # torch's vocabulary-parallel embedding (RowwiseParallel) produces a Replicate gradient: the full
+        # (vocab x hidden) table on every TP rank. FSDP reduce-scatters it into the parameter's shard.
+        grad_numel += config.vocab_size * config.hidden_size - _numel(shapes["embed_tokens.weight"])
     return {
         "param_numel": numel,
+        "grad_numel": grad_numel,
         "param_tensors": len(shapes),
         "param_bytes": numel * prec.param,
-        "grad_bytes": numel * prec.grad,
+        "grad_bytes": grad_numel * prec.grad,
         "optimizer_state_numel": numel * states,
         "optimizer_bytes": numel * states * prec.state + (len(shapes) * _STEP_BYTES if has_step else 0),
         "stage_param_numel": sum(_numel(shape) for shape in shapes.values()),
