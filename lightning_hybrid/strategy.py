@@ -138,6 +138,10 @@ class HybridParallelStrategy(ModelParallelStrategy):
         self._spec: Optional[ParallelSpec] = None
         self.pipeline: Optional[PipelineRunner] = None
         self._parallelized: Optional[torch.nn.Module] = None
+        self.checkpoint_group: Optional[Any] = None
+        self.per_rank_batch_size: Optional[int] = None
+        self.resume_position: Optional[dict[str, int]] = None
+        self.train_sampler: Optional[Any] = None
 
     # ------------------------------------------------------------------ environment and mesh
 
@@ -199,6 +203,11 @@ class HybridParallelStrategy(ModelParallelStrategy):
         self._validate()
         self._setup_distributed()
         self._device_mesh = build_mesh(self.dims, self.root_device.type)
+        # Checkpoint collectives get their own gloo group: they may run while a background write is
+        # in flight and must never queue behind (or ahead of) training collectives.
+        import torch.distributed as dist
+
+        self.checkpoint_group = dist.new_group(backend="gloo", timeout=self._timeout)
         assert self.lightning_module is not None
         self.lightning_module._device_mesh = self._device_mesh
 
@@ -390,6 +399,79 @@ class HybridParallelStrategy(ModelParallelStrategy):
     def _clip_by_global_norm(self, optimizer: Optimizer, clip_val: Union[int, float]) -> None:
         params = [p for group in optimizer.param_groups for p in group["params"]]
         clip_grad_norm_global(params, float(clip_val), self.world_size // self.dims.pp)
+
+    # ------------------------------------------------------------------ data position and checkpoints
+
+    @override
+    def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
+        from lightning.pytorch.utilities.data import extract_batch_size
+
+        self.per_rank_batch_size = extract_batch_size(batch)
+        super().on_train_batch_start(batch, batch_idx)
+
+    @override
+    def process_dataloader(self, dataloader: object) -> object:
+        """Give a distributed DataLoader a sampler that resumes mid-epoch, on any number of DP ranks."""
+        from torch.utils.data import DataLoader, DistributedSampler
+
+        from lightning.pytorch.trainer.states import RunningStage
+        from lightning.pytorch.utilities.data import _update_dataloader
+
+        from lightning_hybrid.data.sampler import ResumableDistributedSampler
+
+        if not isinstance(dataloader, DataLoader) or type(dataloader.sampler) is not DistributedSampler:
+            return dataloader
+        old = dataloader.sampler
+        resume = self.resume_position if old.shuffle else None
+        # A resumed run keeps the permutation of the run it continues, whatever seed it was started with.
+        seed = resume.get("seed", old.seed) if resume else old.seed
+        sampler = ResumableDistributedSampler(old.dataset, num_replicas=old.num_replicas, rank=old.rank,
+                                              shuffle=old.shuffle, seed=seed, drop_last=old.drop_last)
+        if resume is not None:
+            sampler.resume_from(resume["epoch"], resume["samples_in_epoch"])
+            self.resume_position = None
+        if old.shuffle:
+            self.train_sampler = sampler
+        return _update_dataloader(dataloader, sampler, mode=RunningStage.TRAINING if old.shuffle else None)
+
+    @override
+    def lightning_module_state_dict(self) -> dict[str, Any]:
+        if self._spec is None:
+            return super().lightning_module_state_dict()
+        return {}  # the sharded model state is collected by the checkpoint writer itself
+
+    @override
+    def optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:
+        if self._spec is None:
+            return super().optimizer_state(optimizer)
+        return {}
+
+    def begin_save(self, checkpoint: dict[str, Any], folder: Any, async_save: bool) -> Any:
+        """Start writing a sharded checkpoint of a declared model (see ``lightning_hybrid.checkpoint.sharded``)."""
+        from pathlib import Path
+
+        from lightning_hybrid.checkpoint.sharded import begin_save
+
+        return begin_save(self, checkpoint, Path(folder), async_save)
+
+    @override
+    def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Optional[Any] = None) -> None:
+        if self._spec is None:
+            return super().save_checkpoint(checkpoint, filepath, storage_options)
+        if storage_options is not None:
+            raise TypeError("HybridParallelStrategy.save_checkpoint(..., storage_options=...) is not supported")
+        path = self.broadcast(str(filepath))
+        self.begin_save(checkpoint, path, async_save=False).finish()
+
+    @override
+    def load_checkpoint(self, checkpoint_path: Any, weights_only: Optional[bool] = None) -> dict[str, Any]:
+        if self._spec is None:
+            return super().load_checkpoint(checkpoint_path, weights_only)
+        from pathlib import Path
+
+        from lightning_hybrid.checkpoint.sharded import load
+
+        return load(self, Path(self.broadcast(str(checkpoint_path))))
 
     @classmethod
     @override

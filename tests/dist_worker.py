@@ -59,34 +59,90 @@ def evaluate_after_fit(trainer: L.Trainer, module: L.LightningModule, val) -> di
     return {"test_loss": test_loss, "logits": next(p for p in gathered if p is not None)}
 
 
+class SaveAt(L.Callback):
+    """Save a checkpoint at the end of optimizer step ``step``, where a fault-tolerant callback would."""
+
+    def __init__(self, step: int, path: Path) -> None:
+        self.step, self.path = step, path
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        if trainer.global_step == self.step:
+            trainer.save_checkpoint(self.path)
+            trainer.should_stop = True  # as if the job died here: the LR schedule still spans all steps
+
+
+def _module(kind: str) -> L.LightningModule:
+    if kind == "model_parallel_user":
+        from user_module import UserTPModule
+
+        return UserTPModule()
+    return CausalLM(tiny_config(), **make_trainer_kwargs()["module"])
+
+
+def _fit(config: dict, kind: str, trainer_extra: dict, callbacks: list, ckpt_path=None, max_steps=None):
+    world = int(os.environ["WORLD_SIZE"])
+    dp = config.get("dp") or world // (config.get("tp", 1) * config.get("pp", 1))
+    module = _module(kind)
+    kwargs = {**make_trainer_kwargs()["trainer"], **trainer_extra}
+    if max_steps is not None:
+        kwargs["max_steps"] = max_steps
+    trainer = L.Trainer(strategy=HybridParallelStrategy(**config), devices=world, callbacks=callbacks, **kwargs)
+    train, val = make_dataset(GLOBAL_BATCH // dp)
+    trainer.fit(module, train_dataloaders=train, val_dataloaders=val, ckpt_path=ckpt_path)
+    return trainer, module, val
+
+
 def run(config: dict, out: Path) -> None:
     kind = config.pop("module", "causal_lm")
     name = config.pop("name")
     trainer_extra = config.pop("trainer", {})
     evaluate = config.pop("evaluate", False)
+    save_at = config.pop("save_at", None)          # train to this step, save, resume (maybe on another mesh)
+    resume_config = config.pop("resume_config", None)
+    load_from = config.pop("load_from", None)      # resume from an existing checkpoint
     L.seed_everything(SEED)
-    strategy = HybridParallelStrategy(**config)
-    if kind == "model_parallel_user":
-        from user_module import UserTPModule
-
-        module = UserTPModule()
-    else:
-        module = CausalLM(tiny_config(), **make_trainer_kwargs()["module"])
     losses, weights = LossRecorder(), WeightRecorder()
-    trainer = L.Trainer(strategy=strategy, devices=int(os.environ["WORLD_SIZE"]),
-                        callbacks=[losses, weights], **{**make_trainer_kwargs()["trainer"], **trainer_extra})
-    world = int(os.environ["WORLD_SIZE"])
-    dp = config.get("dp") or world // (config.get("tp", 1) * config.get("pp", 1))
-    train, val = make_dataset(GLOBAL_BATCH // dp)
-    trainer.fit(module, train_dataloaders=train, val_dataloaders=val)
+    if save_at is not None:
+        ckpt = out / f"ckpt_{name}"
+        trainer, module, _ = _fit(dict(config), kind, trainer_extra, [losses, weights, SaveAt(save_at, ckpt)])
+        L.seed_everything(SEED + 1)  # the resumed run must not depend on the seed it starts with
+        config = dict(resume_config or config)
+        trainer, module, val = _fit(dict(config), kind, trainer_extra, [losses], ckpt_path=ckpt)
+    else:
+        trainer, module, val = _fit(dict(config), kind, trainer_extra, [losses, weights], ckpt_path=load_from)
     final = full_weights(module.model)
     record = {"losses": losses.losses, "val_loss": float(trainer.callback_metrics["val_loss"])
-              if "val_loss" in trainer.callback_metrics else None, "initial": weights.initial, "final": final}
+              if "val_loss" in trainer.callback_metrics else None, "initial": weights.initial, "final": final,
+              "optimizer": optimizer_state(module)}
     if evaluate:
         record.update(evaluate_after_fit(trainer, module, val))
     if trainer.global_rank == 0:
         torch.save(record, out / f"{name}.pt")
     dist.barrier()
+
+
+def optimizer_state(module: L.LightningModule) -> dict[str, torch.Tensor]:
+    """Full AdamW states by global parameter name (gathered like the weights)."""
+    from torch.distributed.tensor import DTensor
+
+    from lightning_hybrid.initialization import canonical_name
+
+    optimizer = module.trainer.optimizers[0] if module.trainer.optimizers else None
+    local = {}
+    if optimizer is not None:
+        names = {id(p): canonical_name(n) for n, p in module.model.named_parameters()}
+        for group in optimizer.param_groups:
+            for p in group["params"]:
+                for key, value in optimizer.state.get(p, {}).items():
+                    if isinstance(value, torch.Tensor) and value.dim() > 0:
+                        full = value.full_tensor() if isinstance(value, DTensor) else value
+                        local[f"{names[id(p)]}.{key}"] = full.detach().cpu().clone()
+    gathered: list = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, local)
+    merged: dict[str, torch.Tensor] = {}
+    for part in gathered:
+        merged.update(part)
+    return merged
 
 
 def main() -> None:

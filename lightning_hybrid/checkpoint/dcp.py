@@ -1,0 +1,157 @@
+"""Sharded checkpoints with Distributed Checkpoint: every rank writes only its own shards, in parallel.
+
+Layout of a checkpoint folder:
+
+- DCP files (``.metadata``, ``__R_N.distcp``) of ``{"model": model state dict, "optimizer_0": ...}`` with the
+  model's global parameter names (``model.layers.57.mlp.up_proj.weight``) and optimizer states flattened
+  (``StateDictOptions(flatten_optimizer_state_dict=True)``), so any mesh, pipeline split or single
+  process loads it (DCP reshards on load).
+- ``trainer_state.pt``: Lightning's loops, LR schedulers, callbacks and hyper-parameters (rank 0).
+- ``rng/rank_R.pt``: each rank's Python, NumPy, torch CPU and CUDA random states.
+- ``meta.json``: the manifest (see :mod:`lightning_hybrid.checkpoint.manifest`).
+"""
+
+from __future__ import annotations
+
+import io
+import random
+from concurrent.futures import Future, ThreadPoolExecutor
+from pathlib import Path
+from typing import Any, Callable, Optional
+
+import numpy as np
+import torch
+from torch import nn
+
+from lightning_hybrid.checkpoint.manifest import file_record
+
+__all__ = ["model_optimizer_state", "write_shards", "load_shards", "rng_state", "restore_rng_state",
+           "own_files", "TRAINER_STATE", "PendingWrite"]
+
+TRAINER_STATE = "trainer_state.pt"
+RNG_DIR = "rng"
+
+
+def model_optimizer_state(module: nn.Module, optimizers: list[torch.optim.Optimizer]) -> dict[str, Any]:
+    """The DCP state of ``module`` (global names, sharded tensors as DTensors) and its optimizers (flattened)."""
+    from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict,
+                                                         get_optimizer_state_dict)
+
+    state: dict[str, Any] = {"model": get_model_state_dict(module)}
+    flat = StateDictOptions(flatten_optimizer_state_dict=True)
+    for i, optimizer in enumerate(optimizers):
+        state[f"optimizer_{i}"] = get_optimizer_state_dict(module, optimizer, options=flat)
+    return state
+
+
+def rng_state() -> dict[str, Any]:
+    state = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def restore_rng_state(state: dict[str, Any]) -> None:
+    random.setstate(state["python"])
+    np.random.set_state(state["numpy"])
+    torch.set_rng_state(state["torch"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+
+
+def own_files(folder: Path, group_rank: int, global_rank: int) -> list[str]:
+    """Names (relative to ``folder``) of the files this rank wrote: its DCP shards and its RNG file."""
+    names = sorted(p.name for p in folder.glob(f"__{group_rank}_*.distcp"))
+    rng = Path(RNG_DIR) / f"rank_{global_rank}.pt"
+    if (folder / rng).is_file():
+        names.append(str(rng))
+    return names
+
+
+class PendingWrite:
+    """A checkpoint write in progress on this rank; ``result()`` gives the records of the files it wrote."""
+
+    def __init__(self, future: Future) -> None:
+        self._future = future
+
+    def done(self) -> bool:
+        return self._future.done()
+
+    def result(self) -> dict[str, dict[str, Any]]:
+        return self._future.result()
+
+
+_EXECUTOR: Optional[ThreadPoolExecutor] = None
+
+
+def _executor() -> ThreadPoolExecutor:
+    global _EXECUTOR
+    if _EXECUTOR is None:
+        _EXECUTOR = ThreadPoolExecutor(max_workers=1, thread_name_prefix="lightning-hybrid-ckpt")
+    return _EXECUTOR
+
+
+def write_shards(folder: Path, state: dict[str, Any], group: Any, group_rank: int, global_rank: int,
+                 async_save: bool) -> PendingWrite:
+    """Write this rank's part of ``state`` into ``folder`` with DCP, plus its RNG file.
+
+    With ``async_save`` the call returns once the state is copied to host memory (DCP's staging); the
+    files are written in a background thread and checksummed there. Otherwise it returns after the write.
+    """
+    import torch.distributed.checkpoint as dcp
+
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / RNG_DIR).mkdir(exist_ok=True)
+    torch.save(rng_state(), folder / RNG_DIR / f"rank_{global_rank}.pt")
+
+    def records() -> dict[str, dict[str, Any]]:
+        return {name: file_record(folder / name) for name in own_files(folder, group_rank, global_rank)}
+
+    if async_save:
+        upload = dcp.async_save(state, checkpoint_id=str(folder), process_group=group)
+        upload_future = getattr(upload, "upload_completion", upload)
+
+        def finish() -> dict[str, dict[str, Any]]:
+            upload_future.result()
+            return records()
+
+        return PendingWrite(_executor().submit(finish))
+    dcp.save(state, checkpoint_id=str(folder), process_group=group)
+    done: Future = Future()
+    done.set_result(records())
+    return PendingWrite(done)
+
+
+def load_shards(folder: Path, module: nn.Module, optimizers: list[torch.optim.Optimizer], group: Any) -> None:
+    """Load model and optimizer states from ``folder`` into this rank's shards (any saved mesh)."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import (StateDictOptions, set_model_state_dict,
+                                                         set_optimizer_state_dict)
+
+    state = model_optimizer_state(module, optimizers)
+    dcp.load(state, checkpoint_id=str(folder), process_group=group)
+    set_model_state_dict(module, state["model"])
+    flat = StateDictOptions(flatten_optimizer_state_dict=True)
+    for i, optimizer in enumerate(optimizers):
+        set_optimizer_state_dict(module, optimizer, state[f"optimizer_{i}"], options=flat)
+
+
+def save_trainer_state(folder: Path, checkpoint: dict[str, Any]) -> None:
+    buffer = io.BytesIO()
+    torch.save(checkpoint, buffer)
+    (folder / TRAINER_STATE).write_bytes(buffer.getvalue())
+
+
+def load_trainer_state(folder: Path) -> dict[str, Any]:
+    # Lightning's own state (loops, callbacks, hyper-parameters) is a pickle, as in Lightning's checkpoints.
+    return torch.load(folder / TRAINER_STATE, map_location="cpu", weights_only=False)
+
+
+def load_rng(folder: Path, global_rank: int, log: Callable[[str], None]) -> bool:
+    path = folder / RNG_DIR / f"rank_{global_rank}.pt"
+    if not path.is_file():
+        log(f"checkpoint {folder} has no random state for rank {global_rank} (saved on another mesh); "
+            f"continuing with the current random state")
+        return False
+    restore_rng_state(torch.load(path, weights_only=False))
+    return True

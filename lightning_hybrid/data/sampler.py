@@ -1,0 +1,52 @@
+"""A distributed sampler that can resume mid-epoch, also on a different number of data-parallel ranks.
+
+Like ``DistributedSampler`` (same permutation for the same seed and epoch, rank ``r`` of ``n`` takes
+positions ``r, r+n, ...``), so global batch ``k`` is block ``k`` of the epoch's permutation whatever
+``n`` is. Resuming after ``S`` samples of the epoch were consumed globally, each rank skips the first
+``S / n`` of its positions: the run continues with exactly the global batches it would have seen
+without the interruption, even when ``n`` changed (the global batch size must stay the same).
+"""
+
+from __future__ import annotations
+
+from typing import Iterator, Optional
+
+from torch.utils.data import Dataset, DistributedSampler
+
+__all__ = ["ResumableDistributedSampler"]
+
+
+class ResumableDistributedSampler(DistributedSampler):
+    """``DistributedSampler`` with a start position within an epoch.
+
+    Raises:
+        ValueError: the resume position does not fall on a boundary of this sampler's ranks.
+    """
+
+    def __init__(self, dataset: Dataset, num_replicas: Optional[int] = None, rank: Optional[int] = None,
+                 shuffle: bool = True, seed: int = 0, drop_last: bool = False) -> None:
+        super().__init__(dataset, num_replicas=num_replicas, rank=rank, shuffle=shuffle, seed=seed,
+                         drop_last=drop_last)
+        self._resume: Optional[tuple[int, int]] = None  # (epoch, samples consumed in it, globally)
+
+    def resume_from(self, epoch: int, consumed_samples: int) -> None:
+        """Start epoch ``epoch`` after ``consumed_samples`` samples (over all ranks) were already used."""
+        if consumed_samples % self.num_replicas:
+            raise ValueError(f"cannot resume after {consumed_samples} samples on {self.num_replicas} data-parallel "
+                             f"ranks: the position must be a multiple of the number of ranks")
+        self._resume = (epoch, consumed_samples)
+
+    def _skip(self) -> int:
+        if self._resume is None or self._resume[0] != self.epoch:
+            return 0
+        return self._resume[1] // self.num_replicas
+
+    def __iter__(self) -> Iterator[int]:
+        skip = self._skip()
+        self._resume = None if skip else self._resume
+        for position, index in enumerate(super().__iter__()):
+            if position >= skip:
+                yield index
+
+    def __len__(self) -> int:
+        return max(0, self.num_samples - self._skip())
