@@ -1,0 +1,239 @@
+"""``lightning-hybrid export-hf``: a sharded training checkpoint -> a Hugging Face Qwen2 folder.
+
+The checkpoint is read one tensor at a time with Distributed Checkpoint (which assembles the
+tensor from whatever mesh wrote it), so the exporter holds at most one output shard and one tensor
+in memory, never the whole model. The result loads with ``AutoModelForCausalLM.from_pretrained``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import shutil
+import sys
+import warnings
+from pathlib import Path
+from typing import Any, Optional, Sequence, Union
+
+import torch
+
+from lightning_hybrid.checkpoint.hf import TOKENIZER_FILES, expected_hf_tensors, hf_to_ours
+from lightning_hybrid.models.config import Qwen2Config
+
+__all__ = ["export_hf", "export_main", "parse_size", "hf_config_dict", "EXPORT_DTYPES"]
+
+EXPORT_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+_DTYPE_NAMES = {torch.bfloat16: "bfloat16", torch.float16: "float16", torch.float32: "float32"}
+_UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
+          "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}
+_MODEL_PREFIX = "model."
+
+
+def parse_size(size: Union[int, str]) -> int:
+    """Bytes in ``5GB`` (decimal, as Hugging Face counts), ``500MiB`` (binary) or a plain integer.
+
+    Raises:
+        ValueError: not a positive size.
+    """
+    if isinstance(size, int):
+        value = size
+    else:
+        match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([KMGT]?I?B?)\s*", str(size).upper())
+        if not match or match.group(2) not in _UNITS:
+            raise ValueError(f"max_shard_size={size!r} is not a size; use e.g. 5GB, 500MB, 2GiB or a byte count")
+        value = int(float(match.group(1)) * _UNITS[match.group(2)])
+    if value <= 0:
+        raise ValueError(f"max_shard_size={size!r} must be positive")
+    return value
+
+
+def hf_config_dict(config: Qwen2Config, dtype: torch.dtype, base: Optional[dict[str, Any]] = None) -> dict[str, Any]:
+    """The ``config.json`` of ``config`` for ``Qwen2ForCausalLM``; ``base`` (the imported model's) keeps its
+    other keys (token ids, ...)."""
+    values: dict[str, Any] = dict(base or {})
+    for key in ("rope_scaling", "name"):
+        values.pop(key, None)
+    values.update({
+        "architectures": ["Qwen2ForCausalLM"],
+        "model_type": "qwen2",
+        "hidden_act": "silu",
+        "use_sliding_window": False,
+        "max_window_layers": config.num_hidden_layers,
+        "attention_dropout": values.get("attention_dropout", 0.0),
+        "use_cache": True,
+        "torch_dtype": _DTYPE_NAMES[dtype],
+        "dtype": _DTYPE_NAMES[dtype],
+    })
+    fields = config.to_dict()
+    fields.pop("name", None)
+    values.update(fields)
+    values.pop("layer_types", None)  # recomputed from use_sliding_window
+    if isinstance(values.get("rope_parameters"), dict):
+        values["rope_parameters"] = {**values["rope_parameters"], "rope_theta": config.rope_theta, "rope_type": "default"}
+    values.setdefault("bos_token_id", None)
+    values.setdefault("eos_token_id", None)
+    return dict(sorted(values.items()))
+
+
+def _read_meta(checkpoint: Path) -> tuple[Qwen2Config, dict[str, Any]]:
+    meta_path = checkpoint / "meta.json"
+    if not meta_path.is_file():
+        raise FileNotFoundError(f"no meta.json in {checkpoint}: not a lightning-hybrid checkpoint folder, or a save "
+                                f"that did not finish; pass a committed step-N folder")
+    meta = json.loads(meta_path.read_text())
+    hparams = meta.get("hparams") or {}
+    values = meta.get("model_config") or (hparams.get("model") if isinstance(hparams.get("model"), dict) else None)
+    if not values:
+        raise ValueError(f"{meta_path} has no model_config; the checkpoint was not written by lightning-hybrid")
+    return Qwen2Config.from_dict(values), hparams
+
+
+def _import_folder(init_from_hf: Optional[str]) -> Optional[Path]:
+    """The folder the weights were imported from, if it is still on disk (or in the Hub cache); never downloads."""
+    if not init_from_hf:
+        return None
+    if Path(init_from_hf).is_dir():
+        return Path(init_from_hf)
+    try:
+        from huggingface_hub import snapshot_download
+
+        return Path(snapshot_download(repo_id=init_from_hf, local_files_only=True, allow_patterns=["*.json", "*.txt"]))
+    except Exception:  # noqa: BLE001 - not cached, not a repo id, no hub: export without its extras
+        return None
+
+
+def _plan_shards(names: list[str], sizes: dict[str, int], limit: int) -> list[list[str]]:
+    shards: list[list[str]] = [[]]
+    used = 0
+    for name in names:
+        if shards[-1] and used + sizes[name] > limit:
+            shards.append([])
+            used = 0
+        shards[-1].append(name)
+        used += sizes[name]
+    return shards
+
+
+def _hf_order(name: str) -> tuple[int, int, str]:
+    match = re.match(r"model\.layers\.(\d+)\.", name)
+    if match:
+        return (1, int(match.group(1)), name)
+    return (0 if "embed_tokens" in name else 2 if name.startswith("model.") else 3, 0, name)
+
+
+def export_hf(checkpoint_dir: Union[str, Path], out_dir: Union[str, Path], dtype: str = "bf16",
+              max_shard_size: Union[int, str] = "5GB", overwrite: bool = False) -> Path:
+    """Write a Hugging Face Qwen2 folder from a lightning-hybrid checkpoint, streaming tensor by tensor.
+
+    Writes ``model-0000N-of-0000M.safetensors`` shards of at most ``max_shard_size`` (a larger tensor gets a
+    shard of its own), ``model.safetensors.index.json``, ``config.json``, ``generation_config.json`` and, when
+    the folder the weights were imported from is still available, its tokenizer files.
+
+    Args:
+        checkpoint_dir: a committed checkpoint folder (DCP files and ``meta.json``).
+        out_dir: where to write; created, and it must be empty unless ``overwrite``.
+        dtype: ``"bf16"``, ``"fp16"`` or ``"fp32"``.
+        max_shard_size: ``"5GB"``, ``"500MB"``, ``"2GiB"`` or bytes.
+        overwrite: replace the files of an earlier export in ``out_dir``.
+
+    Returns:
+        ``out_dir``.
+
+    Raises:
+        FileNotFoundError: no checkpoint there.
+        ValueError: a bad dtype or size, ``out_dir`` not empty, or the checkpoint lacks a tensor of the model
+            (or has one of another shape).
+    """
+    import torch.distributed.checkpoint as dcp
+    from safetensors.torch import save_file
+    from torch.distributed.checkpoint import FileSystemReader
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    if dtype not in EXPORT_DTYPES:
+        raise ValueError(f"dtype={dtype!r} is not supported; use one of {', '.join(EXPORT_DTYPES)}")
+    out_dtype = EXPORT_DTYPES[dtype]
+    limit = parse_size(max_shard_size)
+    checkpoint, out = Path(checkpoint_dir), Path(out_dir)
+    config, hparams = _read_meta(checkpoint)
+    if out.exists() and any(out.iterdir()):
+        if not overwrite:
+            raise ValueError(f"{out} is not empty; choose a new folder or pass --overwrite")
+        for old in [*out.glob("model*.safetensors"), *out.glob("model.safetensors.index.json")]:
+            old.unlink()
+    out.mkdir(parents=True, exist_ok=True)
+
+    stored = {key[len(_MODEL_PREFIX):]: meta for key, meta in FileSystemReader(str(checkpoint)).read_metadata()
+              .state_dict_metadata.items() if key.startswith(_MODEL_PREFIX) and isinstance(meta, TensorStorageMetadata)}
+    expected = expected_hf_tensors(config)
+    names = sorted(expected, key=_hf_order)
+    for name in names:
+        ours = hf_to_ours(name)
+        if ours not in stored:
+            raise ValueError(f"checkpoint {checkpoint} has no tensor {_MODEL_PREFIX}{ours}; it is not a complete "
+                             f"{config.name!r} checkpoint")
+        if tuple(stored[ours].size) != expected[name]:
+            raise ValueError(f"tensor {_MODEL_PREFIX}{ours} in {checkpoint} has shape {list(stored[ours].size)} but "
+                             f"model_config in meta.json expects {list(expected[name])}")
+
+    itemsize = torch.empty((), dtype=out_dtype).element_size()
+    sizes = {name: itemsize * int(torch.Size(expected[name]).numel()) for name in names}
+    shards = _plan_shards(names, sizes, limit)
+    weight_map: dict[str, str] = {}
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*assuming the intent is to load in a single process.*")
+        for number, shard in enumerate(shards, start=1):
+            file = f"model-{number:05d}-of-{len(shards):05d}.safetensors"
+            tensors: dict[str, torch.Tensor] = {}
+            for name in shard:
+                ours = hf_to_ours(name)
+                meta = stored[ours]
+                buffer = torch.empty(meta.size, dtype=meta.properties.dtype)
+                dcp.load({_MODEL_PREFIX + ours: buffer}, checkpoint_id=str(checkpoint), no_dist=True)
+                tensors[name] = buffer.to(out_dtype).contiguous()
+                del buffer
+                weight_map[name] = file
+            save_file(tensors, str(out / file), metadata={"format": "pt"})
+            del tensors
+    index = {"metadata": {"total_size": sum(sizes.values())}, "weight_map": weight_map}
+    (out / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
+
+    source = _import_folder(hparams.get("init_from_hf"))
+    base = None
+    if source is not None and (source / "config.json").is_file():
+        base = json.loads((source / "config.json").read_text())
+    hf_config = hf_config_dict(config, out_dtype, base)
+    (out / "config.json").write_text(json.dumps(hf_config, indent=2) + "\n")
+    if source is not None and (source / "generation_config.json").is_file():
+        shutil.copyfile(source / "generation_config.json", out / "generation_config.json")
+    else:
+        generation = {"_from_model_config": True, "bos_token_id": hf_config["bos_token_id"],
+                      "eos_token_id": hf_config["eos_token_id"]}
+        (out / "generation_config.json").write_text(json.dumps(generation, indent=2) + "\n")
+    if source is not None:
+        for name in TOKENIZER_FILES:
+            if (source / name).is_file():
+                shutil.copyfile(source / name, out / name)
+    return out
+
+
+def export_main(argv: Optional[Sequence[str]] = None) -> int:
+    """``lightning-hybrid export-hf CHECKPOINT_DIR OUT_DIR [--dtype bf16] [--max-shard-size 5GB]``."""
+    parser = argparse.ArgumentParser(prog="lightning-hybrid export-hf",
+                                     description="Write a Hugging Face Qwen2 folder (safetensors) from a checkpoint.")
+    parser.add_argument("checkpoint_dir", help="a committed checkpoint folder (step-N, with meta.json)")
+    parser.add_argument("out_dir", help="output folder (created; must be empty unless --overwrite)")
+    parser.add_argument("--dtype", choices=list(EXPORT_DTYPES), default="bf16", help="dtype of the written weights")
+    parser.add_argument("--max-shard-size", default="5GB", help="largest safetensors shard (5GB, 500MB, 2GiB)")
+    parser.add_argument("--overwrite", action="store_true", help="replace an earlier export in OUT_DIR")
+    args = parser.parse_args(list(argv) if argv is not None else None)
+    try:
+        out = export_hf(args.checkpoint_dir, args.out_dir, args.dtype, args.max_shard_size, args.overwrite)
+    except (FileNotFoundError, ValueError) as err:
+        print(f"lightning-hybrid export-hf: error: {err}", file=sys.stderr)
+        return 1
+    index = json.loads((out / "model.safetensors.index.json").read_text())
+    shards = len(set(index["weight_map"].values()))
+    print(f"wrote {len(index['weight_map'])} tensors ({index['metadata']['total_size'] / 1e9:.2f} GB, {args.dtype}) "
+          f"in {shards} shard(s) to {out}")
+    return 0
