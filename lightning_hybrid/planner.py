@@ -328,8 +328,7 @@ def explain(p: Problem, tp: int, pp: int, data_parallel: str) -> dict:
     usable = p.hw.usable_bytes / 1e9
     m = smallest.memory
     static = (m["weights"] + m["gradients"] + m["optimizer"]) / 1e9
-    params = static * 1e9 / (PRECISIONS[p.precision].param + PRECISIONS[p.precision].grad
-                             + OPTIMIZERS[p.optimizer][0] * PRECISIONS[p.precision].state)
+    params = m["weights"] / PRECISIONS[p.precision].param
     sharding = (f"split only {tp * pp}-way (tp x pp), replicated on all dp={dp} ranks" if data_parallel == "replicate"
                 or dp == 1 else f"split {tp * pp * dp}-way (tp x pp x FSDP dp)")
     text = (f"{name}: weights + gradients + optimizer states are {static:.1f} GB per GPU "

@@ -178,7 +178,7 @@ def run_plan(argv: Optional[list[str]] = None) -> int:
         doc = {"model": p.config.to_dict(), "gpus": p.hw.gpus, "gpus_per_node": gpn, "gpu": vars(p.hw.gpu),
                "seq_len": p.seq_len, "global_batch": p.global_batch, "precision": p.precision,
                "optimizer": p.optimizer, "assumptions": assumptions(p),
-               "layouts": [e.to_dict() for e in feasible[: max(args.top, 1) * 5]], "feasible_count": len(feasible),
+               "layouts": [e.to_dict() for e in feasible], "feasible_count": len(feasible),
                "infeasible": [e.to_dict() for e in infeasible], "explanations": explanations,
                "checkpoint": checkpoint, "message": message or None}
         print(json.dumps(doc, indent=1))
