@@ -1,0 +1,150 @@
+"""Preflight: NVML health flagging on recorded values, and the bandwidth checks on 4 gloo processes."""
+
+from __future__ import annotations
+
+import copy
+import json
+
+import pytest
+
+from launch import torchrun
+from lightning_hybrid.preflight import bus_bandwidth_factor, _key_values
+from lightning_hybrid.preflight_health import check_gpu_health, gpu_type_from_name, read_nvml
+
+HEALTHY_H100 = {
+    "status": "checked", "index": 3, "name": "NVIDIA H100 80GB HBM3", "uuid": "GPU-5f3c", "pci_bus_id": "00000000:9B:00.0",
+    "nvlink": [True] * 18,
+    "pcie": {"gen": 5, "max_gen": 5, "width": 16, "max_width": 16},
+    "ecc": {"volatile_corrected": 0, "volatile_uncorrected": 0, "aggregate_corrected": 2, "aggregate_uncorrected": 0},
+    "retired_pages": {"single_bit": 0, "double_bit": 0, "pending": False},
+    "remapped_rows": {"correctable": 0, "uncorrectable": 0, "pending": False, "failure": False},
+    "clocks": {"sm": 1980, "sm_max": 1980, "mem": 2619, "mem_max": 2619},
+    "throttle_reasons": 0x4,  # software power cap: normal under load
+    "temperature_c": 52,
+}
+
+
+def record(**changes) -> dict:
+    out = copy.deepcopy(HEALTHY_H100)
+    out.update(changes)
+    return out
+
+
+def test_a_healthy_gpu_has_no_findings():
+    assert check_gpu_health(HEALTHY_H100, host="node07", rank=59) == []
+
+
+def test_a_degraded_nvlink_is_an_error_naming_host_gpu_rank_and_links():
+    links = [True] * 18
+    links[4] = links[11] = False
+    findings = check_gpu_health(record(nvlink=links), host="node07", rank=59)
+    assert [(f["severity"], f["check"]) for f in findings] == [("error", "nvlink")]
+    assert findings[0]["message"] == "host node07 GPU 3 (rank 59): NVLink: 16 of 18 links up (down: [4, 11])"
+
+
+def test_missing_nvlinks_count_against_the_gpu_types_expected_number():
+    findings = check_gpu_health(record(nvlink=[True] * 12), host="n", rank=0)
+    assert "NVLink: 12 of 18 links up" in findings[0]["message"]
+    assert check_gpu_health(record(nvlink=[True] * 12), expected_nvlinks=12) == []
+
+
+def test_a_pcie_link_trained_down_to_x8_is_an_error():
+    findings = check_gpu_health(record(pcie={"gen": 5, "max_gen": 5, "width": 8, "max_width": 16}), host="node02",
+                                rank=12)
+    assert [(f["severity"], f["check"]) for f in findings] == [("error", "pcie_width")]
+    assert findings[0]["message"] == "host node02 GPU 3 (rank 12): PCIe link trained down to x8 (max x16)"
+
+
+def test_a_lower_pcie_generation_is_only_a_warning_since_idle_gpus_downshift():
+    findings = check_gpu_health(record(pcie={"gen": 1, "max_gen": 5, "width": 16, "max_width": 16}))
+    assert [(f["severity"], f["check"]) for f in findings] == [("warning", "pcie_gen")]
+
+
+@pytest.mark.parametrize("changes, severity, check", [
+    ({"ecc": {"volatile_uncorrected": 3}}, "error", "ecc"),
+    ({"ecc": {"aggregate_uncorrected": 1}}, "warning", "ecc"),
+    ({"ecc": {"volatile_corrected": 5000}}, "warning", "ecc"),
+    ({"retired_pages": {"single_bit": 0, "double_bit": 0, "pending": True}}, "error", "retired_pages"),
+    ({"retired_pages": {"single_bit": 0, "double_bit": 2, "pending": False}}, "warning", "retired_pages"),
+    ({"remapped_rows": {"correctable": 0, "uncorrectable": 0, "pending": True, "failure": False}}, "error",
+     "remapped_rows"),
+    ({"remapped_rows": {"correctable": 0, "uncorrectable": 0, "pending": False, "failure": True}}, "error",
+     "remapped_rows"),
+    ({"remapped_rows": {"correctable": 1, "uncorrectable": 4, "pending": False, "failure": False}}, "warning",
+     "remapped_rows"),
+    ({"throttle_reasons": 0x40, "clocks": {"sm": 1100, "sm_max": 1980}}, "error", "throttle"),
+    ({"throttle_reasons": 0x8}, "error", "throttle"),
+    ({"throttle_reasons": 0x20}, "warning", "throttle"),
+])
+def test_memory_errors_and_throttling_are_flagged(changes, severity, check):
+    findings = check_gpu_health(record(**changes), host="h", rank=1)
+    assert [(f["severity"], f["check"]) for f in findings] == [(severity, check)]
+
+
+def test_throttling_message_names_the_reason_and_clocks():
+    (finding,) = check_gpu_health(record(throttle_reasons=0x40 | 0x1, clocks={"sm": 1100, "sm_max": 1980}), host="h")
+    assert finding["message"] == "host h GPU 3: clocks throttled: hw_thermal_slowdown (SM 1100 of 1980 MHz)"
+
+
+def test_values_a_device_does_not_report_are_not_judged():
+    sparse = {"index": 0, "name": "NVIDIA B300", "nvlink": None, "pcie": {"gen": None, "width": None},
+              "ecc": None, "retired_pages": None, "remapped_rows": None, "throttle_reasons": None}
+    assert check_gpu_health(sparse) == []
+
+
+def test_gpu_types_are_recognized_from_device_names():
+    assert gpu_type_from_name("NVIDIA H100 80GB HBM3") == "h100"
+    assert gpu_type_from_name("NVIDIA H200") == "h200"
+    assert gpu_type_from_name("NVIDIA B300 SXM6 AC") == "b300"
+    assert gpu_type_from_name("NVIDIA A100-SXM4-80GB") is None
+
+
+def test_read_nvml_never_raises_and_says_why_it_skipped():
+    result = read_nvml(0)
+    assert result["status"] in ("checked", "skipped")
+    if result["status"] == "skipped":
+        assert result["reason"]
+
+
+def test_bus_bandwidth_factors_are_nccl_tests_definitions():
+    assert bus_bandwidth_factor("all_reduce", 8) == pytest.approx(2 * 7 / 8)
+    assert bus_bandwidth_factor("all_gather", 8) == pytest.approx(7 / 8)
+    assert bus_bandwidth_factor("reduce_scatter", 4) == pytest.approx(3 / 4)
+    assert bus_bandwidth_factor("p2p", 2) == 1.0
+
+
+def test_expected_bandwidth_flags_parse_and_reject_unknown_dimensions():
+    assert _key_values(["tp=360,dp=40", "dp.all_gather=35"], "--expected-busbw") == {
+        "tp": 360.0, "dp": 40.0, "dp.all_gather": 35.0}
+    with pytest.raises(ValueError, match="the key must be one of pp, dp, tp"):
+        _key_values(["ep=3"], "--expected-busbw")
+
+
+# ----------------------------------------------------------------------------- 4 gloo processes
+
+ARGS = ["-m", "lightning_hybrid.preflight", "--tp", "2", "--pp", "2", "--max-bytes", str(4 << 20), "--iters", "2"]
+
+
+@pytest.mark.distributed
+@pytest.mark.timeout(240)
+def test_preflight_on_4_cpu_processes_measures_every_dimension_and_fails_an_impossible_expectation():
+    ok = torchrun(4, ARGS + ["--json"], timeout=180)
+    doc = json.loads(ok.stdout[ok.stdout.index("{"):])
+    assert doc["ok"] and doc["mesh"] == {"pp": 2, "dp": 1, "tp": 2} and doc["world_size"] == 4
+    tests = {(link["dim"], link["test"]) for link in doc["links"]}
+    assert tests == {(d, t) for d in ("tp", "pp") for t in ("all_reduce", "all_gather", "reduce_scatter")} | {
+        ("pp", "p2p")}
+    for link in doc["links"]:
+        assert link["busbw_gbs"] > 0 and len(link["ranks"]) == 2 and link["link"] == "intra-node shared memory"
+        assert [s["bytes"] for s in link["sizes"]] == [1 << 20, 2 << 20, 4 << 20]
+    assert {tuple(link["ranks"]) for link in doc["links"] if link["dim"] == "tp"} == {(0, 1), (2, 3)}
+    assert {tuple(link["ranks"]) for link in doc["links"] if link["dim"] == "pp"} == {(0, 2), (1, 3)}
+    assert len(doc["matmul"]) == 4 and all(m["tflops"] > 0 for m in doc["matmul"])
+    assert doc["health"]["status"] == "skipped" and "CPU" in doc["health"]["reason"]
+
+    bad = torchrun(4, ARGS + ["--expected-busbw", "tp=1e6"], timeout=180, check=False)
+    assert bad.returncode != 0
+    failure = next(line for line in bad.stderr.splitlines() if "tp all_reduce: bus bandwidth" in line)
+    assert "below 0.8 x expected 1e+06 GB/s on ranks [0, 1]" in failure or "on ranks [2, 3]" in failure
+    assert "(hosts " in failure and "link intra-node shared memory" in failure
+    assert "FAIL" in bad.stdout and "pp   p2p" in bad.stdout
