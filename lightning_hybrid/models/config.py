@@ -135,7 +135,8 @@ class Qwen2Config:
             raise ValueError(f"{where}: hidden_act={hidden_act!r} is not supported; only 'silu' is")
         rope = dict(values.get("rope_parameters") or {})
         scaling = values.get("rope_scaling") or {}
-        rope_type = rope.get("rope_type") or scaling.get("rope_type") or scaling.get("type") or "default"
+        rope_types = {t for t in (rope.get("rope_type"), scaling.get("rope_type"), scaling.get("type")) if t}
+        rope_type = next(iter(sorted(rope_types - {"default"})), "default")
         if rope_type != "default":
             raise ValueError(f"{where}: rope scaling type {rope_type!r} is not implemented; only plain RoPE "
                              f"('default') is; remove rope_scaling to train at the native context length")

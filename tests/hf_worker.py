@@ -1,0 +1,68 @@
+"""Import a Hugging Face folder into tp=2 x pp=2, predict, train 2 steps, predict again, save a checkpoint.
+
+Launched by ``tests/test_hf_interop.py`` with torchrun on 4 processes:
+``hf_worker.py HF_FOLDER INPUTS_PT OUT_DIR``. Rank 0 writes ``OUT_DIR/record.pt`` (logits before and after
+training, bytes read per rank) before the checkpoint is saved to ``OUT_DIR/ckpt``, so the import checks do
+not depend on the checkpoint writer.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from torch.utils.data import DataLoader, TensorDataset
+
+import lightning as L
+from lightning_hybrid import HybridParallelStrategy
+from lightning_hybrid.checkpoint import hf
+from lightning_hybrid.initialization import _local_region
+from lightning_hybrid.models import CausalLM, Qwen2Config
+
+
+def gather(value):
+    out: list = [None] * dist.get_world_size()
+    dist.all_gather_object(out, value)
+    return out
+
+
+def predicted_logits(trainer: L.Trainer, module: CausalLM, inputs: torch.Tensor) -> torch.Tensor:
+    """Logits from trainer.predict, taken from the rank that holds the last pipeline stage."""
+    predictions = trainer.predict(module, dataloaders=DataLoader(inputs, batch_size=len(inputs)))
+    mine = predictions[0] if predictions and predictions[0] is not None else None
+    return next(p for p in gather(mine) if p is not None)
+
+
+def main() -> None:
+    folder, inputs_path, out = Path(sys.argv[1]), Path(sys.argv[2]), Path(sys.argv[3])
+    inputs = torch.load(inputs_path, weights_only=True)
+    L.seed_everything(0)
+    config = Qwen2Config.from_hf(folder)
+    module = CausalLM(config, init_from_hf=str(folder), lr=1e-2, warmup_steps=0, lr_schedule="constant",
+                      weight_decay=0.0, eps=1e-6)
+    trainer = L.Trainer(accelerator="cpu", devices=4, strategy=HybridParallelStrategy(tp=2, pp=2), max_steps=2,
+                        logger=False, enable_checkpointing=False, enable_progress_bar=False,
+                        enable_model_summary=False, num_sanity_val_steps=0, limit_val_batches=0)
+    before = predicted_logits(trainer, module, inputs)
+    # What this rank holds and what it read while the strategy filled its shards.
+    itemsize = 4  # the test folder is fp32
+    held = sum(_local_region(p)[0].numel() * itemsize for p in module.model.parameters())
+    reads = gather({"rank": dist.get_rank(), "bytes_read": hf.read_stats.bytes_read, "held_bytes": held,
+                    "tensors_read": hf.read_stats.tensors_read})
+
+    g = torch.Generator().manual_seed(1)
+    tokens = torch.randint(0, config.vocab_size, (8, inputs.shape[1] + 1), generator=g)
+    train = DataLoader(TensorDataset(tokens[:, :-1], tokens[:, 1:]), batch_size=4, shuffle=True)
+    trainer.fit(module, train_dataloaders=train)
+    after = predicted_logits(trainer, module, inputs)
+    if dist.get_rank() == 0:
+        torch.save({"before": before, "after": after, "reads": reads}, out / "record.pt")
+    dist.barrier()
+    trainer.save_checkpoint(out / "ckpt")
+    dist.barrier()
+
+
+if __name__ == "__main__":
+    main()
