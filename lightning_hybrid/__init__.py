@@ -1,7 +1,9 @@
 """lightning-hybrid: tensor x pipeline x data parallel training for PyTorch Lightning."""
 
-from lightning_hybrid.strategy import HybridParallelStrategy
-
 __version__ = "0.1.0"
 
-__all__ = ["HybridParallelStrategy", "__version__"]
+from lightning_hybrid.callbacks.fault_tolerant import FaultTolerantCheckpoint
+from lightning_hybrid.strategy import HybridParallelStrategy
+
+
+__all__ = ["FaultTolerantCheckpoint", "HybridParallelStrategy", "__version__"]

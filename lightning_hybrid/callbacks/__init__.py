@@ -1,9 +1,14 @@
-"""Training callbacks: throughput/MFU/memory monitor with straggler detection."""
+"""Training callbacks: fault-tolerant checkpoints, throughput/MFU/memory monitor with straggler detection."""
+
+from lightning_hybrid.callbacks.fault_tolerant import EXIT_CODE_PREEMPTED, FaultTolerantCheckpoint, Preempted
 
 from lightning_hybrid.callbacks.stragglers import Straggler, StragglerDetector, find_stragglers
 from lightning_hybrid.callbacks.throughput import ThroughputMonitor, flops_per_token, peak_flops
 
 __all__ = [
+    "EXIT_CODE_PREEMPTED",
+    "FaultTolerantCheckpoint",
+    "Preempted",
     "Straggler",
     "StragglerDetector",
     "ThroughputMonitor",

@@ -93,16 +93,12 @@ def _executor() -> ThreadPoolExecutor:
 
 def write_shards(folder: Path, state: dict[str, Any], group: Any, group_rank: int, global_rank: int,
                  async_save: bool) -> PendingWrite:
-    """Write this rank's part of ``state`` into ``folder`` with DCP, plus its RNG file.
+    """Write this rank's part of ``state`` into ``folder`` with DCP (the folder exists; see :func:`save_rng`).
 
     With ``async_save`` the call returns once the state is copied to host memory (DCP's staging); the
     files are written in a background thread and checksummed there. Otherwise it returns after the write.
     """
     import torch.distributed.checkpoint as dcp
-
-    folder.mkdir(parents=True, exist_ok=True)
-    (folder / RNG_DIR).mkdir(exist_ok=True)
-    torch.save(rng_state(), folder / RNG_DIR / f"rank_{global_rank}.pt")
 
     def records() -> dict[str, dict[str, Any]]:
         return {name: file_record(folder / name) for name in own_files(folder, group_rank, global_rank)}
@@ -120,6 +116,12 @@ def write_shards(folder: Path, state: dict[str, Any], group: Any, group_rank: in
     done: Future = Future()
     done.set_result(records())
     return PendingWrite(done)
+
+
+def save_rng(folder: Path, global_rank: int) -> None:
+    """Write this rank's random states to ``folder/rng/rank_R.pt``."""
+    (folder / RNG_DIR).mkdir(parents=True, exist_ok=True)
+    torch.save(rng_state(), folder / RNG_DIR / f"rank_{global_rank}.pt")
 
 
 def load_shards(folder: Path, module: nn.Module, optimizers: list[torch.optim.Optimizer], group: Any) -> None:

@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any, Optional
 import torch
 
 from lightning_hybrid.checkpoint.dcp import (TRAINER_STATE, PendingWrite, load_rng, load_shards,
-                                             load_trainer_state, model_optimizer_state, save_trainer_state,
+                                             load_trainer_state, model_optimizer_state, save_rng, save_trainer_state,
                                              write_shards)
 from lightning_hybrid.checkpoint.manifest import (MANIFEST, CheckpointError, file_record, read_manifest,
                                                   verify_checkpoint, write_manifest)
@@ -121,11 +121,22 @@ def begin_save(strategy: "HybridParallelStrategy", checkpoint: dict[str, Any], f
     checkpoint.pop("state_dict", None)
     checkpoint.pop("optimizer_states", None)
     checkpoint["hybrid"] = {"data_position": data_position(strategy)}
-    module = strategy.lightning_module
-    state = model_optimizer_state(module.model, list(strategy.optimizers))
-    group = strategy.checkpoint_group
     import torch.distributed as dist
 
+    module = strategy.lightning_module
+    group = strategy.checkpoint_group
+    # Local failures (permission denied, disk full) must not leave some ranks inside DCP's collectives.
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        save_rng(folder, strategy.global_rank)
+        error = ""
+    except OSError as err:
+        error = f"{type(err).__name__}: {err}"
+    errors: list = [None] * dist.get_world_size(group)
+    dist.all_gather_object(errors, error, group=group)
+    if any(errors):
+        raise CheckpointWriteError(f"saving {folder} failed: " + "; ".join(f"rank {r}: {e}" for r, e in enumerate(errors) if e))
+    state = model_optimizer_state(module.model, list(strategy.optimizers))
     pending = write_shards(folder, state, group, dist.get_rank(group), strategy.global_rank, async_save)
     if strategy.global_rank == 0:
         save_trainer_state(folder, checkpoint)

@@ -48,5 +48,4 @@ class ResumableDistributedSampler(DistributedSampler):
             if position >= skip:
                 yield index
 
-    def __len__(self) -> int:
-        return max(0, self.num_samples - self._skip())
+    # __len__ stays the full epoch: Lightning counts a resumed epoch's batches from its start.

@@ -1,0 +1,287 @@
+"""``FaultTolerantCheckpoint``: async, atomic, verified checkpoints with retention, preemption and auto-resume."""
+
+from __future__ import annotations
+
+import math
+import os
+import shutil
+import signal
+import time
+from datetime import timedelta
+from pathlib import Path
+from typing import Any, Optional, Union
+
+import torch
+
+import lightning.pytorch as pl
+from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
+
+from lightning_hybrid.checkpoint.manifest import (CheckpointError, find_resumable, purge_old, step_dirname,
+                                                  update_latest, committed_checkpoints, fsync_dir)
+
+__all__ = ["FaultTolerantCheckpoint", "Preempted", "EXIT_CODE_PREEMPTED", "suggest_interval"]
+
+# EX_TEMPFAIL: "try again later". SLURM requeue scripts and torchrun restarts can key on it.
+EXIT_CODE_PREEMPTED = 75
+
+
+class Preempted(SystemExit):
+    """Raised on every rank after the checkpoint a preemption signal asked for is committed."""
+
+    def __init__(self, step: int) -> None:
+        super().__init__(EXIT_CODE_PREEMPTED)
+        self.step = step
+
+    def __str__(self) -> str:
+        return f"preempted: checkpoint of step {self.step} saved, exiting with code {EXIT_CODE_PREEMPTED}"
+
+
+def suggest_interval(save_seconds: float, mtbf_hours: float) -> float:
+    """Young/Daly checkpoint interval in seconds for a save cost and a mean time between failures."""
+    from lightning_hybrid.planner_time import young_daly_interval
+
+    return young_daly_interval(save_seconds, mtbf_hours * 3600.0)[1]
+
+
+class FaultTolerantCheckpoint(pl.Callback):
+    """Periodic sharded checkpoints that survive crashes, preemption and bad storage.
+
+    Each save goes to ``dirpath/step-NNNNNN.tmp/``; once every rank finished writing, rank 0 writes the
+    manifest (``meta.json``: step, epoch, data position, mesh, model config, versions, size and CRC-32 of
+    every file), renames the folder to ``step-NNNNNN/`` and atomically updates ``dirpath/latest``. A
+    crash at any moment leaves the previous checkpoint and ``latest`` intact.
+
+    Args:
+        dirpath: folder of the checkpoints (shared by all nodes).
+        every_n_steps: save every N optimizer steps.
+        every_n_minutes: save when this much wall time passed since the last save (decided by rank 0).
+        keep_last: committed checkpoints to keep; older ones are deleted (never the one loaded or written).
+        async_save: block only while the state is copied to host memory and write in the background; the
+            next save (or the end of training) waits for the previous one.
+        auto_resume: on ``fit`` without ``ckpt_path``, resume from the newest valid checkpoint in ``dirpath``.
+        save_on_exception: try a synchronous save when training raises (if all ranks are reachable).
+        save_on_signal: SIGTERM or SIGUSR1 trigger a synchronous save at the next step boundary on all ranks,
+            then exit with code ``EXIT_CODE_PREEMPTED`` (75).
+        allow_fresh_start: when ``dirpath`` holds checkpoints but none is valid, start from scratch (True) or
+            raise (False).
+        max_consecutive_failures: stop training after this many failed saves in a row.
+        mtbf_hours: mean time between failures of the job; with it, the Young/Daly interval for the measured
+            save time is logged.
+        verify_checksums: check CRC-32s (not only sizes) when choosing the checkpoint to resume from.
+
+    Raises:
+        ValueError: no interval was given, or a value is out of range.
+    """
+
+    def __init__(self, dirpath: Union[str, Path], every_n_steps: Optional[int] = None,
+                 every_n_minutes: Optional[float] = None, keep_last: int = 3, async_save: bool = True,
+                 auto_resume: bool = True, save_on_exception: bool = True, save_on_signal: bool = True,
+                 allow_fresh_start: bool = True, max_consecutive_failures: int = 3,
+                 mtbf_hours: Optional[float] = None, verify_checksums: bool = True) -> None:
+        if every_n_steps is None and every_n_minutes is None and not save_on_signal:
+            raise ValueError("FaultTolerantCheckpoint needs every_n_steps, every_n_minutes or save_on_signal=True")
+        if every_n_steps is not None and every_n_steps < 1:
+            raise ValueError(f"every_n_steps={every_n_steps} must be a positive integer")
+        if every_n_minutes is not None and every_n_minutes <= 0:
+            raise ValueError(f"every_n_minutes={every_n_minutes} must be positive")
+        if keep_last < 1:
+            raise ValueError(f"keep_last={keep_last} must be at least 1")
+        self.dirpath = Path(dirpath)
+        self.every_n_steps = every_n_steps
+        self.every_n_minutes = every_n_minutes
+        self.keep_last = keep_last
+        self.async_save = async_save
+        self.auto_resume = auto_resume
+        self.save_on_exception = save_on_exception
+        self.save_on_signal = save_on_signal
+        self.allow_fresh_start = allow_fresh_start
+        self.max_consecutive_failures = max_consecutive_failures
+        self.mtbf_hours = mtbf_hours
+        self.verify_checksums = verify_checksums
+        self.resumed_from: Optional[Path] = None
+        self.last_saved_step: Optional[int] = None
+        self.blocking_seconds: list[float] = []  # time training was blocked by each save
+        self.save_seconds: list[float] = []      # start to commit of each save
+        self._pending: Optional[Any] = None
+        self._pending_step: Optional[int] = None
+        self._failures = 0
+        self._signal_received = 0
+        self._old_handlers: dict[int, Any] = {}
+        self._last_save_time = time.monotonic()
+        self._last_checked_step = -1
+
+    # ------------------------------------------------------------------ resume
+
+    def setup(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", stage: str) -> None:
+        if not callable(getattr(trainer.strategy, "begin_save", None)):
+            raise TypeError(f"FaultTolerantCheckpoint needs HybridParallelStrategy; the Trainer uses "
+                            f"{type(trainer.strategy).__name__} (set strategy=HybridParallelStrategy(...))")
+
+    def on_fit_start(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
+        strategy = trainer.strategy
+        if trainer.is_global_zero:
+            self.dirpath.mkdir(parents=True, exist_ok=True)
+            for stale in self.dirpath.glob("step-*.tmp"):  # half-written saves of a crashed run
+                rank_zero_info(f"removing incomplete checkpoint {stale}")
+                shutil.rmtree(stale, ignore_errors=True)
+        if trainer.ckpt_path is not None or not self.auto_resume:
+            return
+        found = None
+        if trainer.is_global_zero:
+            found = find_resumable(self.dirpath, log=rank_zero_warn, checksums=self.verify_checksums)
+            if found is None and committed_checkpoints(self.dirpath):
+                message = (f"no valid checkpoint in {self.dirpath} (all are damaged)"
+                           + ("; starting from scratch" if self.allow_fresh_start else
+                              "; pass allow_fresh_start=True to start from scratch or repair the folder"))
+                found = "" if self.allow_fresh_start else f"error:{message}"
+                rank_zero_warn(message)
+        found = strategy.broadcast(str(found) if found else "")
+        if found.startswith("error:"):
+            raise CheckpointError(found[len("error:"):])
+        if found:
+            rank_zero_info(f"auto-resuming from {found}")
+            self.resumed_from = Path(found)
+            # Lightning restores from `ckpt_path` right after this hook; a callback cannot set that argument,
+            # so it pre-loads the checkpoint into the connector the same way `fit(ckpt_path=...)` would.
+            trainer._checkpoint_connector.resume_start(found)
+            self.last_saved_step = int(trainer._checkpoint_connector._loaded_checkpoint.get("global_step", 0))
+
+    # ------------------------------------------------------------------ signals
+
+    def on_train_start(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
+        # Installed after Lightning's own handlers (registered just before training starts), replacing them:
+        # the handler only sets a flag; all ranks agree at the next step boundary, with no collective here.
+        self._last_save_time = time.monotonic()
+        if not self.save_on_signal:
+            return
+        for signum in (signal.SIGTERM, signal.SIGUSR1):
+            self._old_handlers[signum] = signal.getsignal(signum)
+            signal.signal(signum, self._on_signal)
+
+    def _on_signal(self, signum: int, frame: Any) -> None:
+        self._signal_received = signum
+
+    def _restore_signals(self) -> None:
+        for signum, handler in self._old_handlers.items():
+            signal.signal(signum, handler)
+        self._old_handlers.clear()
+
+    # ------------------------------------------------------------------ saving
+
+    def _agree(self, trainer: "pl.Trainer", values: list[float]) -> list[float]:
+        """Max over all ranks of a few flags, on the checkpoint group (one small all-reduce)."""
+        import torch.distributed as dist
+
+        tensor = torch.tensor(values, dtype=torch.float64)
+        if dist.is_initialized():
+            dist.all_reduce(tensor, op=dist.ReduceOp.MAX, group=trainer.strategy.checkpoint_group)
+        return tensor.tolist()
+
+    def on_train_batch_end(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", outputs: Any,
+                           batch: Any, batch_idx: int) -> None:
+        step = trainer.global_step
+        if step == self._last_checked_step:
+            return  # an accumulation micro-batch: no optimizer step happened
+        self._last_checked_step = step
+        minutes_due = (self.every_n_minutes is not None and trainer.is_global_zero
+                       and time.monotonic() - self._last_save_time >= 60 * self.every_n_minutes)
+        pending_busy = self._pending is not None and not self._pending.ready()
+        signal_flag, time_flag, busy = self._agree(trainer, [float(self._signal_received), float(minutes_due),
+                                                             float(pending_busy)])
+        if self._pending is not None and not busy:
+            self._commit(trainer)
+        if signal_flag:
+            self._save(trainer, step, async_save=False)
+            raise Preempted(step)
+        steps_due = self.every_n_steps is not None and step % self.every_n_steps == 0
+        if (steps_due or time_flag) and step != self.last_saved_step:
+            self._save(trainer, step, async_save=self.async_save)
+
+    def _save(self, trainer: "pl.Trainer", step: int, async_save: bool) -> None:
+        if self._pending is not None:
+            self._commit(trainer)  # the next save waits for the previous one
+        final = self.dirpath / step_dirname(step)
+        if final.is_dir():
+            return  # this step is saved already (for example the one just resumed from)
+        tmp = self.dirpath / (step_dirname(step) + ".tmp")
+        start = time.perf_counter()
+        try:
+            checkpoint = trainer._checkpoint_connector.dump_checkpoint(weights_only=False)
+            self._pending = trainer.strategy.begin_save(checkpoint, tmp, async_save=async_save)
+            self._pending_step = step
+        except Exception as err:
+            self._failed(trainer, tmp, err)
+            return
+        self.blocking_seconds.append(time.perf_counter() - start)
+        self._last_save_time = time.monotonic()
+        self.last_saved_step = step
+        if not async_save:
+            self._commit(trainer)
+
+    def _commit(self, trainer: "pl.Trainer") -> None:
+        pending, step = self._pending, self._pending_step
+        self._pending = self._pending_step = None
+        if pending is None:
+            return
+        tmp = pending.folder
+        try:
+            info = pending.finish()
+        except Exception as err:
+            self._failed(trainer, tmp, err)
+            return
+        final = self.dirpath / step_dirname(step)
+        if trainer.is_global_zero:
+            os.replace(tmp, final)
+            fsync_dir(self.dirpath)
+            update_latest(self.dirpath, final)
+            protect = [final] + ([self.resumed_from] if self.resumed_from else [])
+            for removed in purge_old(self.dirpath, self.keep_last, protect=protect):
+                rank_zero_info(f"removed old checkpoint {removed}")
+        trainer.strategy.barrier("checkpoint_commit")
+        self._failures = 0
+        elapsed = time.perf_counter() - pending.started
+        self.save_seconds.append(elapsed)
+        message = f"saved checkpoint {final} (step {step}, {elapsed:.2f} s, blocked {self.blocking_seconds[-1]:.2f} s)"
+        if self.mtbf_hours:
+            interval = suggest_interval(self.blocking_seconds[-1], self.mtbf_hours)
+            message += f"; Young/Daly interval for MTBF {self.mtbf_hours} h: {interval / 60:.1f} min"
+        rank_zero_info(message)
+        del info
+
+    def _failed(self, trainer: "pl.Trainer", tmp: Path, err: BaseException) -> None:
+        self._failures += 1
+        rank_zero_warn(f"checkpoint save failed ({self._failures} in a row): {type(err).__name__}: {err}; "
+                       f"training continues, the next interval tries again")
+        if trainer.is_global_zero:
+            shutil.rmtree(tmp, ignore_errors=True)
+        if self._failures >= self.max_consecutive_failures:
+            raise RuntimeError(f"{self._failures} consecutive checkpoint saves failed (last: {type(err).__name__}: "
+                               f"{err}); fix the storage at {self.dirpath} and resume from the last checkpoint")
+
+    # ------------------------------------------------------------------ end and failures
+
+    def on_train_end(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
+        self._commit(trainer)
+        self._restore_signals()
+
+    def on_exception(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", exception: BaseException) -> None:
+        self._restore_signals()
+        if isinstance(exception, Preempted) or not self.save_on_exception:
+            return
+        import torch.distributed as dist
+
+        try:
+            # Only if every rank got here too (an exception raised on all ranks); never hang on a dead peer.
+            if dist.is_initialized():
+                dist.monitored_barrier(group=trainer.strategy.checkpoint_group, timeout=timedelta(seconds=60))
+            self._commit(trainer)
+            self._save(trainer, trainer.global_step, async_save=False)
+            rank_zero_warn(f"saved a checkpoint at step {trainer.global_step} after {type(exception).__name__}")
+        except Exception as err:  # the original exception is what matters; report and re-raise it
+            rank_zero_warn(f"could not save a checkpoint after {type(exception).__name__}: {err}")
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"last_saved_step": self.last_saved_step, "dirpath": str(self.dirpath)}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self.last_saved_step = state_dict.get("last_saved_step")

@@ -1,0 +1,80 @@
+"""Training under FaultTolerantCheckpoint for the fault-tolerance tests (launched with torchrun).
+
+Environment: OUT (folder for results), CKPT (checkpoint folder), STEPS, EVERY (save interval),
+ASYNC (0/1), KILL_AT (step at which KILL_RANK SIGKILLs itself, right after that step's save started),
+KILL_ONLY_FIRST_ATTEMPT (1: only when torchrun's restart count is 0), SIGTERM_AT (every rank sends itself
+SIGTERM at that step), TP, PP.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import sys
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+import lightning as L
+
+sys.path.insert(0, str(Path(__file__).parent))
+from dist_worker import full_weights  # noqa: E402
+from equivalence_setup import GLOBAL_BATCH, SEED, make_dataset, make_trainer_kwargs, tiny_config  # noqa: E402
+
+from lightning_hybrid import FaultTolerantCheckpoint, HybridParallelStrategy  # noqa: E402
+from lightning_hybrid.models import CausalLM  # noqa: E402
+
+
+def env(name: str, default: str = "") -> str:
+    return os.environ.get(name, default)
+
+
+class Faults(L.Callback):
+    """Logs each step's loss (rank 0) and injects the failure the test asked for."""
+
+    def __init__(self, out: Path) -> None:
+        self.out = out
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        step = trainer.global_step
+        if trainer.global_rank == 0:
+            with open(self.out / "losses.jsonl", "a") as f:
+                f.write(json.dumps({"step": step, "loss": float(trainer.callback_metrics["train_loss"]),
+                                    "attempt": int(env("TORCHELASTIC_RESTART_COUNT", "0")),
+                                    "pid": os.getpid()}) + "\n")
+        kill_at = int(env("KILL_AT", "0"))
+        first_only = env("KILL_ONLY_FIRST_ATTEMPT") == "1"
+        if kill_at and step == kill_at and trainer.global_rank == int(env("KILL_RANK", "1")):
+            if not first_only or env("TORCHELASTIC_RESTART_COUNT", "0") == "0":
+                os.kill(os.getpid(), signal.SIGKILL)
+        if int(env("SIGTERM_AT", "0")) == step and not (self.out / f"sigterm_sent_{trainer.global_rank}").exists():
+            (self.out / f"sigterm_sent_{trainer.global_rank}").touch()
+            os.kill(os.getpid(), signal.SIGTERM)
+
+
+def main() -> None:
+    out, ckpt = Path(env("OUT")), Path(env("CKPT"))
+    tp, pp = int(env("TP", "2")), int(env("PP", "2"))
+    world = int(env("WORLD_SIZE"))
+    dp = world // (tp * pp)
+    L.seed_everything(SEED)
+    checkpoint = FaultTolerantCheckpoint(ckpt, every_n_steps=int(env("EVERY", "2")), async_save=env("ASYNC", "1") == "1",
+                                         keep_last=int(env("KEEP", "3")))
+    kwargs = {**make_trainer_kwargs()["trainer"], "max_steps": int(env("STEPS", "8")), "val_check_interval": None,
+              "limit_val_batches": 0}
+    trainer = L.Trainer(strategy=HybridParallelStrategy(tp=tp, pp=pp), devices=world,
+                        callbacks=[checkpoint, Faults(out)], **kwargs)
+    module = CausalLM(tiny_config(), **make_trainer_kwargs()["module"])
+    train, _ = make_dataset(GLOBAL_BATCH // dp)
+    trainer.fit(module, train_dataloaders=train)
+    weights = full_weights(module.model)
+    if trainer.global_rank == 0:
+        torch.save({"final": weights, "resumed_from": str(checkpoint.resumed_from),
+                    "blocking": checkpoint.blocking_seconds}, out / "final.pt")
+    dist.barrier()
+
+
+if __name__ == "__main__":
+    main()
