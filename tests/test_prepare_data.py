@@ -110,3 +110,33 @@ def test_bad_inputs_give_one_line_errors(tokenizer_dir, tmp_path, capsys):
     with pytest.raises(FileNotFoundError, match="not a packed token folder"):
         PackedTokenDataset(tmp_path)
     assert not list((tmp_path / "out").glob("tokens.bin*"))  # a failed run leaves no token file behind
+
+
+def test_recipes_that_use_packed_tokens_pass_only_arguments_the_data_module_takes():
+    import inspect
+
+    import yaml
+
+    accepted = set(inspect.signature(PackedTokenDataModule).parameters)
+    recipes = Path(__file__).parents[1] / "recipes"
+    used = 0
+    for recipe in sorted(recipes.glob("*.yaml")):
+        data = (yaml.safe_load(recipe.read_text()) or {}).get("data") or {}
+        if str(data.get("class_path", "")).endswith("PackedTokenDataModule"):
+            used += 1
+            assert set(data.get("init_args", {})) <= accepted, (recipe.name, set(data["init_args"]) - accepted)
+    assert used >= 1
+
+
+def test_a_causal_lm_trains_on_prepared_data(tokenizer_dir, corpus, tmp_path):
+    import lightning as L
+
+    from lightning_hybrid.models import CausalLM
+
+    prepare_data(str(tokenizer_dir), corpus, tmp_path / "data", seq_len=4)
+    L.seed_everything(0)
+    trainer = L.Trainer(accelerator="cpu", devices=1, max_steps=2, logger=False, enable_checkpointing=False,
+                        enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0)
+    trainer.fit(CausalLM("tiny"), datamodule=PackedTokenDataModule(str(tmp_path / "data"), batch_size=2,
+                                                                   val_fraction=0.4))
+    assert trainer.global_step == 2 and torch.isfinite(trainer.callback_metrics["val_loss"])
