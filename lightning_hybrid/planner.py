@@ -17,12 +17,12 @@ from dataclasses import asdict, dataclass, field
 from typing import Optional
 
 from lightning_hybrid.mesh import divisors
-from lightning_hybrid.pipeline import validate_schedule
 from lightning_hybrid.models.config import Qwen2Config
-from lightning_hybrid.planner_memory import (OPTIMIZERS, PRECISIONS, RECOMPUTE, activation_model,
+from lightning_hybrid.pipeline import validate_schedule
+from lightning_hybrid.planner_memory import (PRECISIONS, RECOMPUTE, activation_model,
                                              inflight_microbatches, rank_memory, rank_parameter_shapes, rank_stages,
                                              split_blocks)
-from lightning_hybrid.planner_time import GPUS, Hardware, checkpoint_plan, collective_seconds
+from lightning_hybrid.planner_time import Hardware, collective_seconds
 
 __all__ = ["Layout", "Estimate", "estimate", "search", "explain", "plan_main", "rank_memory"]
 
@@ -181,7 +181,12 @@ def estimate(p: Problem, layout: Layout) -> Estimate:
             fsdp_buffers = gathered - block * mem["blocks"] + 2 * block
         else:
             fsdp_buffers = 50e6 if L.dp > 1 else 0.0  # the all-reduce buckets
+        # autocast's low-precision weight copies are saved for backward unless the block is recomputed
+        # (then only the recomputed block's copies exist, counted with its working set)
         autocast = mem["matmul_param_numel"] * prec.autocast_copy
+        if L.recompute != "none":
+            autocast = (autocast - mem["blocks"] * _block_numel(c, L.tp) * prec.autocast_copy
+                        + _block_numel(c, L.tp) * prec.autocast_copy)
         optimizer_temp = mem["param_numel"] * prec.state  # foreach AdamW's sqrt(exp_avg_sq) temporary
         static = mem["param_bytes"] + mem["grad_bytes"] + mem["optimizer_bytes"]
         extra = held + working + fsdp_buffers + autocast
@@ -337,7 +342,10 @@ def explain(p: Problem, tp: int, pp: int, data_parallel: str) -> dict:
             f"the smallest variant ({smallest.layout.describe()}) needs {m['total'] / 1e9:.1f} GB; "
             f"usable per GPU {usable:.1f} GB -> ")
     if smallest.fits:
-        text += "fits" + ("" if plain.fits else " only with recompute/sequence parallel") + "."
+        fastest = min((e for e in variants if e.fits), key=lambda e: e.time["step"])
+        text += ("fits" + ("" if plain.fits else " only with recompute/sequence parallel")
+                 + f"; its fastest variant ({fastest.layout.describe()}) takes {fastest.time['step']:.2f} s per step "
+                 f"at {fastest.mfu:.1%} MFU.")
     elif static > usable:
         text += f"does not fit: the model state alone exceeds the GPU by {static - usable:.1f} GB."
     else:

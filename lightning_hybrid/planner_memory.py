@@ -215,8 +215,8 @@ def rank_memory(config: Qwen2Config, tp: int, pp: int, dp: int, data_parallel: s
             :func:`split_blocks`.
 
     Returns:
-        ``param_numel``, ``grad_numel``, ``param_tensors``, ``param_bytes``, ``grad_bytes``, ``optimizer_bytes`` (states plus
-        step scalars), ``optimizer_state_numel``, ``stage_param_numel`` (TP-local, before dp sharding: what
+        ``param_numel``, ``grad_numel``, ``param_tensors``, ``param_bytes``, ``grad_bytes``,
+        ``optimizer_bytes`` (states plus step scalars), ``optimizer_state_numel``, ``stage_param_numel`` (TP-local, before dp sharding: what
         FSDP gathers), ``matmul_param_numel`` (the part of it that feeds matmuls) and ``blocks``.
 
     Raises:

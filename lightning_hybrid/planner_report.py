@@ -97,14 +97,16 @@ def assumptions(p: Problem) -> list[str]:
         "pipeline stages hold contiguous blocks balanced by the model's declared costs; rank r holds stages "
         "r, r+pp, ...; in-flight micro-batches: 1F1B min(m, pp-r), interleaved per torch's warm-up",
         "FSDP under a pipeline keeps the stage's parameters and gradients unsharded through the step (torch's "
-        "schedules skip reshard-after-backward); without a pipeline one block is prefetched and the root unit stays gathered",
+        "schedules skip reshard-after-backward); without a pipeline one block is prefetched and the root unit "
+        "stays gathered",
         "activations: Korthikanti et al. 2022 counted per saved tensor for this model: flash-style attention (no s x s "
         "scores), GQA k/v repeated to all heads, SwiGLU, fp32 RMSNorm; sequence parallel shards the norms only",
         "recompute: selective keeps block input + matmul/attention outputs (+3% time); full keeps the block input "
         "(+1/3 FLOPs); a block's backward working set and the fp32 loss are added as transients",
         f"compute: FLOPs/token 6N + 12 L h s at {hw.compute_efficiency:g} of peak, less for small matmuls "
         "(x/(x+128), x the smallest of tokens per micro-batch, hidden/tp, intermediate/tp)",
-        f"communication: nccl-tests bus bandwidth = {hw.link_efficiency:g} x link; latency {hw.intra_latency_s * 1e6:g} us "
+        f"communication: nccl-tests bus bandwidth = {hw.link_efficiency:g} x link; "
+        f"latency {hw.intra_latency_s * 1e6:g} us "
         f"in a node, {hw.inter_latency_s * 1e6:g} us across; TP comm not overlapped; replicate all-reduces gradients "
         "once per step after backward; FSDP per micro-batch (no pipeline) overlaps with compute",
         "pipeline bubble (pp-1)/v micro-batch times of the slowest stage plus warm-up/cool-down point-to-point",
@@ -197,7 +199,8 @@ def run_plan(argv: Optional[list[str]] = None) -> int:
     for e in infeasible[:5]:
         print(f"  does not fit: {e.layout.describe()}: needs {e.memory['total'] / 1e9:.1f} GB of {e.usable / 1e9:.1f}")
     if checkpoint:
-        print(f"\ncheckpoint interval (Young/Daly, tau = sqrt(2 x save x MTBF)): save {checkpoint['save_seconds']:.0f} s, "
+        print(f"\ncheckpoint interval (Young/Daly, tau = sqrt(2 x save x MTBF)): "
+              f"save {checkpoint['save_seconds']:.0f} s, "
               f"job MTBF {checkpoint['mtbf_hours']:.1f} h -> every {checkpoint['interval_seconds'] / 60:.0f} min "
               f"(~{checkpoint['interval_steps']} steps); expected time lost to checkpoints and failures "
               f"{checkpoint['lost_fraction']:.1%} (restart {checkpoint['restart_seconds']:.0f} s)")

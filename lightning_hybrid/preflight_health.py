@@ -34,6 +34,8 @@ THROTTLE_REASONS: dict[int, tuple[str, Optional[str]]] = {
     0x40: ("hw_thermal_slowdown", "error"),
     0x80: ("hw_power_brake_slowdown", "error"),
     0x100: ("display_clock_setting", None),
+    0x200: ("board_limit", "warning"),
+    0x400: ("reliability", "warning"),
 }
 CORRECTED_ECC_WARNING = 1000  # corrected (volatile) ECC errors since boot above which a device is suspect
 
@@ -175,7 +177,8 @@ def read_nvml(index: Optional[int] = None, pci_bus_id: Optional[str] = None) -> 
             "aggregate_corrected": _nvml_call(errors, handle, n.NVML_MEMORY_ERROR_TYPE_CORRECTED, n.NVML_AGGREGATE_ECC),
             "aggregate_uncorrected": _nvml_call(errors, handle, n.NVML_MEMORY_ERROR_TYPE_UNCORRECTED,
                                                 n.NVML_AGGREGATE_ECC)}
-        single = _nvml_call(n.nvmlDeviceGetRetiredPages, handle, n.NVML_PAGE_RETIREMENT_CAUSE_MULTIPLE_SINGLE_BIT_ECC_ERRORS)
+        single = _nvml_call(n.nvmlDeviceGetRetiredPages, handle,
+                            n.NVML_PAGE_RETIREMENT_CAUSE_MULTIPLE_SINGLE_BIT_ECC_ERRORS)
         double = _nvml_call(n.nvmlDeviceGetRetiredPages, handle, n.NVML_PAGE_RETIREMENT_CAUSE_DOUBLE_BIT_ECC_ERROR)
         pending = _nvml_call(n.nvmlDeviceGetRetiredPagesPendingStatus, handle)
         record["retired_pages"] = {"single_bit": len(single) if single is not None else None,
@@ -189,7 +192,8 @@ def read_nvml(index: Optional[int] = None, pci_bus_id: Optional[str] = None) -> 
                             "sm_max": _nvml_call(n.nvmlDeviceGetMaxClockInfo, handle, n.NVML_CLOCK_SM),
                             "mem": _nvml_call(n.nvmlDeviceGetClockInfo, handle, n.NVML_CLOCK_MEM),
                             "mem_max": _nvml_call(n.nvmlDeviceGetMaxClockInfo, handle, n.NVML_CLOCK_MEM)}
-        reasons = getattr(n, "nvmlDeviceGetCurrentClocksEventReasons", None) or n.nvmlDeviceGetCurrentClocksThrottleReasons
+        reasons = (getattr(n, "nvmlDeviceGetCurrentClocksEventReasons", None)
+                   or n.nvmlDeviceGetCurrentClocksThrottleReasons)
         record["throttle_reasons"] = _nvml_call(reasons, handle)
         record["temperature_c"] = _nvml_call(n.nvmlDeviceGetTemperature, handle, n.NVML_TEMPERATURE_GPU)
         return record

@@ -237,14 +237,16 @@ def measure_saved_bytes(config: Qwen2Config, dtype: torch.dtype, batch: int, seq
 
 
 @pytest.mark.parametrize("precision, recompute", [("32-true", "none"), ("32-true", "full"), ("bf16-true", "none"),
-                                                  ("bf16-true", "full"), ("bf16-mixed", "none")])
+                                                  ("bf16-true", "full"), ("bf16-mixed", "none"),
+                                                  ("bf16-mixed", "full")])
 def test_activation_estimate_is_within_20_percent_of_measured_for_tiny(precision, recompute):
     config, batch, seq = Qwen2Config.from_preset("tiny"), 2, 256
     dtype = torch.bfloat16 if precision == "bf16-true" else torch.float32
     measured = measure_saved_bytes(config, dtype, batch, seq, recompute == "full", precision == "bf16-mixed")
     act = activation_model(config, 1, False, recompute, precision, seq)
     predicted = (config.num_hidden_layers * act.layer + act.embedding + act.head) * batch * seq
-    if precision == "bf16-mixed":  # autocast's bf16 weight copies are saved too; the planner counts them apart
+    if precision == "bf16-mixed" and recompute == "none":
+        # autocast's bf16 weight copies are saved too (not under recompute); the planner counts them apart
         mem = rank_memory(config, 1, 1, 1, "replicate", precision=precision)
         predicted += 2 * mem["matmul_param_numel"]
     assert predicted == pytest.approx(measured, rel=0.2)

@@ -12,7 +12,8 @@ from lightning_hybrid.preflight import bus_bandwidth_factor, _key_values
 from lightning_hybrid.preflight_health import check_gpu_health, gpu_type_from_name, read_nvml
 
 HEALTHY_H100 = {
-    "status": "checked", "index": 3, "name": "NVIDIA H100 80GB HBM3", "uuid": "GPU-5f3c", "pci_bus_id": "00000000:9B:00.0",
+    "status": "checked", "index": 3, "name": "NVIDIA H100 80GB HBM3", "uuid": "GPU-5f3c",
+    "pci_bus_id": "00000000:9B:00.0",
     "nvlink": [True] * 18,
     "pcie": {"gen": 5, "max_gen": 5, "width": 16, "max_width": 16},
     "ecc": {"volatile_corrected": 0, "volatile_uncorrected": 0, "aggregate_corrected": 2, "aggregate_uncorrected": 0},
@@ -148,3 +149,59 @@ def test_preflight_on_4_cpu_processes_measures_every_dimension_and_fails_an_impo
     assert "below 0.8 x expected 1e+06 GB/s on ranks [0, 1]" in failure or "on ranks [2, 3]" in failure
     assert "(hosts " in failure and "link intra-node shared memory" in failure
     assert "FAIL" in bad.stdout and "pp   p2p" in bad.stdout
+
+
+class FakeNVML:
+    """Enough of nvidia-ml-py's API to read one degraded H100: link 5 down, PCIe at x8, links 18+ absent."""
+
+    class NVMLError(Exception):
+        pass
+
+    NVML_NVLINK_MAX_LINKS = 36
+    NVML_MEMORY_ERROR_TYPE_CORRECTED, NVML_MEMORY_ERROR_TYPE_UNCORRECTED = 0, 1
+    NVML_VOLATILE_ECC, NVML_AGGREGATE_ECC = 0, 1
+    NVML_PAGE_RETIREMENT_CAUSE_MULTIPLE_SINGLE_BIT_ECC_ERRORS, NVML_PAGE_RETIREMENT_CAUSE_DOUBLE_BIT_ECC_ERROR = 0, 1
+    NVML_CLOCK_SM, NVML_CLOCK_MEM, NVML_TEMPERATURE_GPU = 1, 2, 0
+
+    def __init__(self):
+        self.shut_down = False
+
+    def nvmlInit(self): pass
+    def nvmlShutdown(self): self.shut_down = True
+    def nvmlDeviceGetHandleByPciBusId(self, bus): raise self.NVMLError("not found")
+    def nvmlDeviceGetHandleByIndex(self, i): return ("gpu", i)
+    def nvmlDeviceGetIndex(self, h): return h[1]
+    def nvmlDeviceGetName(self, h): return b"NVIDIA H100 80GB HBM3"
+    def nvmlDeviceGetUUID(self, h): return "GPU-1234"
+    def nvmlDeviceGetPciInfo(self, h): return type("Pci", (), {"busId": b"00000000:1B:00.0"})()
+
+    def nvmlDeviceGetNvLinkState(self, h, link):
+        if link >= 18:
+            raise self.NVMLError("not supported")
+        return 0 if link == 5 else 1
+
+    def nvmlDeviceGetCurrPcieLinkGeneration(self, h): return 5
+    def nvmlDeviceGetMaxPcieLinkGeneration(self, h): return 5
+    def nvmlDeviceGetCurrPcieLinkWidth(self, h): return 8
+    def nvmlDeviceGetMaxPcieLinkWidth(self, h): return 16
+    def nvmlDeviceGetTotalEccErrors(self, h, kind, counter): return 0
+    def nvmlDeviceGetRetiredPages(self, h, cause): return []
+    def nvmlDeviceGetRetiredPagesPendingStatus(self, h): raise self.NVMLError("not supported")  # Hopper remaps rows
+    def nvmlDeviceGetRemappedRows(self, h): return (0, 0, 0, 0)
+    def nvmlDeviceGetClockInfo(self, h, kind): return 1980
+    def nvmlDeviceGetMaxClockInfo(self, h, kind): return 1980
+    def nvmlDeviceGetCurrentClocksEventReasons(self, h): return 0
+    def nvmlDeviceGetTemperature(self, h, kind): return 40
+
+
+def test_read_nvml_builds_a_record_that_flags_the_degraded_device(monkeypatch):
+    fake = FakeNVML()
+    monkeypatch.setitem(__import__("sys").modules, "pynvml", fake)
+    rec = read_nvml(index=2, pci_bus_id="00000000:1B:00.0")
+    assert rec["status"] == "checked" and rec["index"] == 2 and rec["name"] == "NVIDIA H100 80GB HBM3"
+    assert len(rec["nvlink"]) == 18 and rec["nvlink"][5] is False
+    assert rec["retired_pages"]["pending"] is None and rec["remapped_rows"]["pending"] is False
+    assert fake.shut_down
+    findings = check_gpu_health(rec, host="node01", rank=2)
+    assert [(f["severity"], f["check"]) for f in findings] == [("error", "nvlink"), ("error", "pcie_width")]
+    assert findings[0]["message"] == "host node01 GPU 2 (rank 2): NVLink: 17 of 18 links up (down: [5])"
