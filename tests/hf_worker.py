@@ -1,4 +1,5 @@
-"""Import a Hugging Face folder into tp=2 x pp=2, predict, train 2 steps, predict again, save a checkpoint.
+"""Import a Hugging Face folder into tp=2 x pp=2, predict, train 2 steps, predict again, save a checkpoint;
+in between, import it into tp=2 x dp=2 (FSDP2) too.
 
 Launched by ``tests/test_hf_interop.py`` with torchrun on 4 processes:
 ``hf_worker.py HF_FOLDER INPUTS_PT OUT_DIR``. Rank 0 writes ``OUT_DIR/record.pt`` (logits before and after
@@ -52,13 +53,25 @@ def main() -> None:
     reads = gather({"rank": dist.get_rank(), "bytes_read": hf.read_stats.bytes_read, "held_bytes": held,
                     "tensors_read": hf.read_stats.tensors_read})
 
+    # The same folder into tp=2 x dp=2 with FSDP2: parameters are TP shards further split over dp.
+    fsdp_module = CausalLM(config, init_from_hf=str(folder))
+    fsdp_trainer = L.Trainer(accelerator="cpu", devices=4, strategy=HybridParallelStrategy(tp=2, dp=2),
+                             logger=False, enable_progress_bar=False, enable_model_summary=False)
+    fsdp_trainer.predict(fsdp_module, dataloaders=DataLoader(inputs, batch_size=2))  # sets the model up
+    fsdp_held = sum(_local_region(p)[0].numel() * itemsize for p in fsdp_module.model.parameters())
+    fsdp_reads = gather({"rank": dist.get_rank(), "bytes_read": hf.read_stats.bytes_read, "held_bytes": fsdp_held})
+    with torch.no_grad():
+        fsdp_logits = fsdp_module.model(inputs)  # every rank runs the whole batch; the logits are replicated
+    del fsdp_module, fsdp_trainer
+
     g = torch.Generator().manual_seed(1)
     tokens = torch.randint(0, config.vocab_size, (8, inputs.shape[1] + 1), generator=g)
     train = DataLoader(TensorDataset(tokens[:, :-1], tokens[:, 1:]), batch_size=4, shuffle=True)
     trainer.fit(module, train_dataloaders=train)
     after = predicted_logits(trainer, module, inputs)
     if dist.get_rank() == 0:
-        torch.save({"before": before, "after": after, "reads": reads}, out / "record.pt")
+        torch.save({"before": before, "after": after, "reads": reads, "fsdp_logits": fsdp_logits,
+                    "fsdp_reads": fsdp_reads}, out / "record.pt")
     dist.barrier()
     trainer.save_checkpoint(out / "ckpt")
     dist.barrier()

@@ -323,7 +323,8 @@ def test_export_errors_are_one_line(folders, tmp_path, capsys):
 
 @pytest.fixture(scope="module")
 def parallel_run(folders, inputs, tmp_path_factory):
-    """One 4-process run: import the sharded folder into tp=2 x pp=2, predict, train 2 steps, predict, save."""
+    """One 4-process run: import the sharded folder into tp=2 x pp=2 and into tp=2 x dp=2 (FSDP2), predict,
+    train the first 2 steps, predict, save."""
     out = tmp_path_factory.mktemp("parallel")
     torch.save(inputs, out / "inputs.pt")
     result = torchrun(4, [str(HERE / "hf_worker.py"), str(folders["sharded"]), str(out / "inputs.pt"), str(out)],
@@ -340,6 +341,20 @@ def parallel_run(folders, inputs, tmp_path_factory):
 def test_logits_of_a_tp2_pp2_import_match_transformers(parallel_run, folders, inputs):
     logits = parallel_run["record"]["before"]
     torch.testing.assert_close(logits, hf_logits(folders["single"], inputs), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.distributed
+@pytest.mark.timeout(300)
+def test_logits_of_a_tp2_fsdp2_import_match_transformers_and_each_rank_reads_its_shard(parallel_run, folders, inputs):
+    torch.testing.assert_close(parallel_run["record"]["fsdp_logits"], hf_logits(folders["single"], inputs),
+                               rtol=1e-5, atol=1e-5)
+    params = dict(Qwen2.from_hf(str(folders["single"])).named_parameters())
+    total = sum(p.numel() * 4 for p in params.values())
+    norms = sum(p.numel() * 4 for name, p in params.items() if "norm" in name)
+    reads = parallel_run["record"]["fsdp_reads"]
+    assert all(r["bytes_read"] == r["held_bytes"] for r in reads), reads
+    # tp x dp shards tile every matrix exactly once; the norms, whole on each TP peer, are read by both peers.
+    assert sum(r["bytes_read"] for r in reads) == total + norms
 
 
 @pytest.mark.distributed
