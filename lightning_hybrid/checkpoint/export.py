@@ -17,6 +17,8 @@ from pathlib import Path
 from typing import Any, Optional, Sequence, Union
 
 import torch
+from torch.distributed.checkpoint import FileSystemReader
+from torch.distributed.checkpoint.metadata import Metadata
 
 from lightning_hybrid.checkpoint.hf import TOKENIZER_FILES, expected_hf_tensors, hf_to_ours
 from lightning_hybrid.models.config import Qwen2Config
@@ -103,6 +105,17 @@ def _import_folder(init_from_hf: Optional[str]) -> Optional[Path]:
         return None
 
 
+class _MetadataOnceReader(FileSystemReader):
+    """A DCP reader that parses the checkpoint's ``.metadata`` once, not once per tensor loaded."""
+
+    _cached: Optional[Metadata] = None
+
+    def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
+        if self._cached is None:
+            self._cached = super().read_metadata(*args, **kwargs)
+        return self._cached
+
+
 def _plan_shards(names: list[str], sizes: dict[str, int], limit: int) -> list[list[str]]:
     shards: list[list[str]] = [[]]
     used = 0
@@ -147,7 +160,6 @@ def export_hf(checkpoint_dir: Union[str, Path], out_dir: Union[str, Path], dtype
     """
     import torch.distributed.checkpoint as dcp
     from safetensors.torch import save_file
-    from torch.distributed.checkpoint import FileSystemReader
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
     if dtype not in EXPORT_DTYPES:
@@ -163,8 +175,9 @@ def export_hf(checkpoint_dir: Union[str, Path], out_dir: Union[str, Path], dtype
             old.unlink()
     out.mkdir(parents=True, exist_ok=True)
 
-    stored = {key[len(_MODEL_PREFIX):]: meta for key, meta in FileSystemReader(str(checkpoint)).read_metadata()
-              .state_dict_metadata.items() if key.startswith(_MODEL_PREFIX) and isinstance(meta, TensorStorageMetadata)}
+    reader = _MetadataOnceReader(str(checkpoint))
+    stored = {key[len(_MODEL_PREFIX):]: meta for key, meta in reader.read_metadata().state_dict_metadata.items()
+              if key.startswith(_MODEL_PREFIX) and isinstance(meta, TensorStorageMetadata)}
     expected = expected_hf_tensors(config)
     names = sorted(expected, key=_hf_order)
     for name in names:
@@ -189,7 +202,7 @@ def export_hf(checkpoint_dir: Union[str, Path], out_dir: Union[str, Path], dtype
                 ours = hf_to_ours(name)
                 meta = stored[ours]
                 buffer = torch.empty(meta.size, dtype=meta.properties.dtype)
-                dcp.load({_MODEL_PREFIX + ours: buffer}, checkpoint_id=str(checkpoint), no_dist=True)
+                dcp.load({_MODEL_PREFIX + ours: buffer}, storage_reader=reader, no_dist=True)
                 tensors[name] = buffer.to(out_dtype).contiguous()
                 del buffer
                 weight_map[name] = file
