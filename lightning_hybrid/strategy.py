@@ -208,8 +208,25 @@ class HybridParallelStrategy(ModelParallelStrategy):
         import torch.distributed as dist
 
         self.checkpoint_group = dist.new_group(backend="gloo", timeout=self._timeout)
+        if self.preflight:
+            self._run_preflight()
         assert self.lightning_module is not None
         self.lightning_module._device_mesh = self._device_mesh
+
+    def _run_preflight(self) -> None:
+        """Bandwidth of every mesh dimension, matmul speed and device health, on the training mesh itself.
+
+        Raises:
+            RuntimeError: on every rank, when a link or device is below threshold (the report names them).
+        """
+        from lightning.pytorch.utilities.rank_zero import rank_zero_info
+
+        from lightning_hybrid.preflight import run_preflight
+
+        report = run_preflight(self.device_mesh, max_bytes=4 << 20 if self.root_device.type == "cpu" else 64 << 20)
+        rank_zero_info(report.format_table())
+        if not report.ok:
+            raise RuntimeError("preflight failed: " + "; ".join(report.failures))
 
     @property
     def mesh(self) -> "DeviceMesh":

@@ -44,6 +44,11 @@ class Faults(L.Callback):
                 f.write(json.dumps({"step": step, "loss": float(trainer.callback_metrics["train_loss"]),
                                     "attempt": int(env("TORCHELASTIC_RESTART_COUNT", "0")),
                                     "pid": os.getpid()}) + "\n")
+        every = int(env("EVERY", "2"))
+        if env("RECORD_WEIGHTS") == "1" and step % every == 0:
+            weights = full_weights(pl_module.model)
+            if trainer.global_rank == 0:
+                torch.save(weights, self.out / f"weights_step{step}.pt")
         kill_at = int(env("KILL_AT", "0"))
         first_only = env("KILL_ONLY_FIRST_ATTEMPT") == "1"
         if kill_at and step == kill_at and trainer.global_rank == int(env("KILL_RANK", "1")):
@@ -54,7 +59,32 @@ class Faults(L.Callback):
             os.kill(os.getpid(), signal.SIGTERM)
 
 
+def inject_write_failures() -> None:
+    """FAIL_AT=N: rank 1's background write of the step-N checkpoint fails like a full disk."""
+    fail_at = int(env("FAIL_AT", "0"))
+    if not fail_at or int(env("RANK")) != 1:
+        return
+    from concurrent.futures import Future
+
+    import lightning_hybrid.checkpoint.sharded as sharded
+    from lightning_hybrid.checkpoint.dcp import PendingWrite
+
+    original = sharded.write_shards
+
+    def failing(folder, *args, **kwargs):
+        pending = original(folder, *args, **kwargs)
+        if folder.name.startswith(f"step-{fail_at:06d}"):
+            pending.result()
+            broken: Future = Future()
+            broken.set_exception(OSError(28, "No space left on device"))
+            return PendingWrite(broken)
+        return pending
+
+    sharded.write_shards = failing
+
+
 def main() -> None:
+    inject_write_failures()
     out, ckpt = Path(env("OUT")), Path(env("CKPT"))
     tp, pp = int(env("TP", "2")), int(env("PP", "2"))
     world = int(env("WORLD_SIZE"))

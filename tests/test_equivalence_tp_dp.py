@@ -20,6 +20,7 @@ def two_process_runs(tmp_path_factory):
         {"name": "dp2_fsdp", "tp": 1, "data_parallel": "fsdp"},
         {"name": "dp2_replicate", "tp": 1, "data_parallel": "replicate"},
         {"name": "tp2_sequence_parallel", "tp": 2, "sequence_parallel": True},
+        {"name": "tp2_after_preflight", "tp": 2, "preflight": True},
         {"name": "user_module_dp2", "module": "model_parallel_user", "tp": 1},
         {"name": "user_module_tp2", "module": "model_parallel_user", "tp": 2},
     ]
@@ -47,6 +48,10 @@ def _check(record, reference):
 
 def test_loss_and_weights_match_single_process_with_tp2(two_process_runs, reference_run):
     _check(two_process_runs["tp2"], reference_run)
+
+
+def test_preflight_on_the_training_mesh_then_training_like_one_process(two_process_runs, reference_run):
+    _check(two_process_runs["tp2_after_preflight"], reference_run)
 
 
 def test_loss_and_weights_match_single_process_with_tp2_sequence_parallel(two_process_runs, reference_run):

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import math
 import os
 import shutil
 import signal
@@ -109,6 +108,7 @@ class FaultTolerantCheckpoint(pl.Callback):
         self._old_handlers: dict[int, Any] = {}
         self._last_save_time = time.monotonic()
         self._last_checked_step = -1
+        self._training_started = False
 
     # ------------------------------------------------------------------ resume
 
@@ -152,6 +152,7 @@ class FaultTolerantCheckpoint(pl.Callback):
         # Installed after Lightning's own handlers (registered just before training starts), replacing them:
         # the handler only sets a flag; all ranks agree at the next step boundary, with no collective here.
         self._last_save_time = time.monotonic()
+        self._training_started = True
         if not self.save_on_signal:
             return
         for signum in (signal.SIGTERM, signal.SIGUSR1):
@@ -266,14 +267,16 @@ class FaultTolerantCheckpoint(pl.Callback):
 
     def on_exception(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", exception: BaseException) -> None:
         self._restore_signals()
-        if isinstance(exception, Preempted) or not self.save_on_exception:
+        if isinstance(exception, Preempted) or not self.save_on_exception or not self._training_started:
+            return
+        if trainer.global_step == self.last_saved_step:
             return
         import torch.distributed as dist
 
         try:
             # Only if every rank got here too (an exception raised on all ranks); never hang on a dead peer.
             if dist.is_initialized():
-                dist.monitored_barrier(group=trainer.strategy.checkpoint_group, timeout=timedelta(seconds=60))
+                dist.monitored_barrier(group=trainer.strategy.checkpoint_group, timeout=timedelta(seconds=20))
             self._commit(trainer)
             self._save(trainer, trainer.global_step, async_save=False)
             rank_zero_warn(f"saved a checkpoint at step {trainer.global_step} after {type(exception).__name__}")

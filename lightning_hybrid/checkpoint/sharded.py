@@ -8,6 +8,7 @@ the model config, loads shards, RNG states and the data position.
 
 from __future__ import annotations
 
+import json
 import platform
 import time
 from pathlib import Path
@@ -52,6 +53,7 @@ def _info(strategy: "HybridParallelStrategy", checkpoint: dict[str, Any]) -> dic
                  "data_parallel": strategy.data_parallel, "virtual_stages": strategy.virtual_stages,
                  "pp_schedule": strategy.pp_schedule},
         "model_config": config.to_dict() if config is not None else None,
+        "hparams": json.loads(json.dumps(dict(getattr(module, "hparams", {})), default=str)),
         "versions": _versions(),
         "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
     }

@@ -94,7 +94,7 @@ class Qwen2Config:
         if isinstance(model, str) and model.lower() in PRESETS:
             return cls.from_preset(model)
         if isinstance(model, (str, Path)) and Path(model, "config.json").is_file():
-            return cls.from_dict({**json.loads(Path(model, "config.json").read_text()), "name": str(model)})
+            return cls.from_hf(model)  # every Qwen2 field, both config.json layouts, unsupported ones refused
         raise ValueError(f"unknown model {model!r}; use a preset ({', '.join(PRESETS)}), a Qwen2Config "
                          f"or a folder with a config.json")
 

@@ -1,0 +1,183 @@
+"""Nothing lost: kill, preempt, corrupt and fail saves; resumed runs reach bitwise the same weights."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+
+from launch import HERE, torchrun
+from lightning_hybrid.callbacks.fault_tolerant import EXIT_CODE_PREEMPTED, FaultTolerantCheckpoint
+from lightning_hybrid.checkpoint.manifest import (CheckpointError, committed_checkpoints, find_resumable,
+                                                  verify_checkpoint)
+from lightning_hybrid.checkpoint.sharded import check_model_config
+
+pytestmark = [pytest.mark.distributed, pytest.mark.timeout(900)]
+
+
+def _run(out: Path, ckpt: Path, check: bool = True, extra_args: tuple = (), **env):
+    out.mkdir(parents=True, exist_ok=True)
+    variables = {"OUT": str(out), "CKPT": str(ckpt), **{k: str(v) for k, v in env.items()}}
+    return torchrun(4, [*extra_args, str(HERE / "ft_worker.py")], timeout=300, env=variables, check=check)
+
+
+def _losses(out: Path) -> list[dict]:
+    return [json.loads(line) for line in (out / "losses.jsonl").read_text().splitlines()]
+
+
+def _final(out: Path) -> dict:
+    return torch.load(out / "final.pt", weights_only=False)
+
+
+def _same(a: dict, b: dict) -> bool:
+    return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+@pytest.fixture(scope="module")
+def baseline(tmp_path_factory) -> Path:
+    """tp=2 x pp=2, 8 steps (over an epoch boundary), async saves every 2 steps, weights recorded at each save."""
+    out = tmp_path_factory.mktemp("baseline")
+    _run(out, out / "ckpt", RECORD_WEIGHTS=1, KEEP=4)
+    return out
+
+
+def test_uninterrupted_run_commits_every_interval_and_keeps_the_newest(baseline):
+    assert [c.path.name for c in committed_checkpoints(baseline / "ckpt")] == [
+        "step-000008", "step-000006", "step-000004", "step-000002"]
+    assert (baseline / "ckpt" / "latest").read_text().strip() == "step-000008"
+    manifest = verify_checkpoint(baseline / "ckpt" / "step-000008")
+    assert manifest["step"] == 8 and manifest["mesh"]["tp"] == 2 and manifest["mesh"]["pp"] == 2
+    assert manifest["model_config"]["hidden_size"] == 64 and "torch" in manifest["versions"]
+    assert {"__0_0.distcp", "__3_0.distcp", ".metadata", "trainer_state.pt", "rng/rank_2.pt"} <= set(manifest["files"])
+
+
+def test_each_async_checkpoint_holds_the_weights_of_its_own_step(baseline):
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint import FileSystemReader
+
+    previous = None
+    for step in (4, 6, 8):
+        folder = baseline / "ckpt" / f"step-{step:06d}"
+        expected = torch.load(baseline / f"weights_step{step}.pt", weights_only=False)
+        meta = FileSystemReader(str(folder)).read_metadata()
+        state = {k: torch.empty(meta.state_dict_metadata[f"model.{k}"].size) for k in expected}
+        dcp.load({"model": state}, checkpoint_id=str(folder), no_dist=True)
+        assert _same(state, expected), step
+        if previous is not None:  # consecutive checkpoints differ exactly as the weights did
+            changed = {k for k in expected if not torch.equal(expected[k], previous[k])}
+            assert changed and changed == {k for k in state if not torch.equal(state[k], previous_state[k])}
+        previous, previous_state = expected, state
+
+
+def test_sigkill_of_one_rank_then_rerun_reaches_bitwise_the_same_weights(baseline, tmp_path):
+    result = _run(tmp_path, tmp_path / "ckpt", check=False, KILL_AT=5, KILL_RANK=1)
+    assert result.returncode != 0
+    _run(tmp_path, tmp_path / "ckpt")
+    assert _final(tmp_path)["resumed_from"].endswith("step-000004")
+    assert _same(_final(tmp_path)["final"], _final(baseline)["final"])
+    losses = {(d["step"], d["loss"]) for d in _losses(tmp_path)}
+    assert losses == {(d["step"], d["loss"]) for d in _losses(baseline)}  # joined with no gap or change
+
+
+def test_kill_during_an_async_write_leaves_the_previous_checkpoint_and_resumes_from_it(baseline, tmp_path):
+    # At step 4 the save has started (state staged, files being written) when rank 1 dies.
+    _run(tmp_path, tmp_path / "ckpt", check=False, KILL_AT=4, KILL_RANK=1)
+    assert (tmp_path / "ckpt" / "latest").read_text().strip() == "step-000002"
+    assert [c.path.name for c in committed_checkpoints(tmp_path / "ckpt")] == ["step-000002"]
+    _run(tmp_path, tmp_path / "ckpt")
+    assert not list((tmp_path / "ckpt").glob("*.tmp"))
+    assert _final(tmp_path)["resumed_from"].endswith("step-000002")
+    assert _same(_final(tmp_path)["final"], _final(baseline)["final"])
+
+
+def test_sigterm_saves_at_the_step_boundary_exits_with_code_75_and_rerun_resumes_there(baseline, tmp_path):
+    result = _run(tmp_path, tmp_path / "ckpt", check=False, SIGTERM_AT=3)
+    assert f"exitcode  : {EXIT_CODE_PREEMPTED}" in result.stderr, result.stderr[-3000:]
+    assert (tmp_path / "ckpt" / "latest").read_text().strip() == "step-000003"
+    _run(tmp_path, tmp_path / "ckpt")
+    second = [d for d in _losses(tmp_path) if d["pid"] != _losses(tmp_path)[0]["pid"]]
+    assert second[0]["step"] == 4
+    assert _same(_final(tmp_path)["final"], _final(baseline)["final"])
+
+
+def test_a_failed_background_write_is_logged_removed_and_the_next_interval_saves(baseline, tmp_path):
+    result = _run(tmp_path, tmp_path / "ckpt", FAIL_AT=4)
+    assert "checkpoint save failed (1 in a row): CheckpointWriteError" in result.stderr + result.stdout
+    assert "rank 1: OSError: [Errno 28] No space left on device" in result.stderr + result.stdout
+    names = [c.path.name for c in committed_checkpoints(tmp_path / "ckpt")]
+    assert "step-000004" not in names and "step-000006" in names
+    assert not list((tmp_path / "ckpt").glob("*.tmp"))
+    assert _same(_final(tmp_path)["final"], _final(baseline)["final"])
+
+
+@pytest.fixture
+def damaged(baseline, tmp_path) -> Path:
+    copy = tmp_path / "ckpt"
+    shutil.copytree(baseline / "ckpt", copy)
+    return copy
+
+
+@pytest.mark.parametrize("damage, message", [
+    ("truncate", r"file __1_0.distcp has \d+ bytes, the manifest says \d+ \(truncated or partial write\)"),
+    ("flip", r"file __2_0.distcp has CRC-32 [0-9a-f]{8}, the manifest says [0-9a-f]{8} \(corrupted\)"),
+    ("manifest", r"has no meta.json \(incomplete or not a checkpoint\)"),
+])
+def test_a_damaged_newest_checkpoint_is_reported_and_the_older_one_used(damaged, damage, message):
+    newest = damaged / "step-000008"
+    if damage == "truncate":
+        data = (newest / "__1_0.distcp").read_bytes()
+        (newest / "__1_0.distcp").write_bytes(data[: len(data) // 2])
+    elif damage == "flip":
+        data = bytearray((newest / "__2_0.distcp").read_bytes())
+        data[len(data) // 3] ^= 0xFF
+        (newest / "__2_0.distcp").write_bytes(bytes(data))
+    else:
+        (newest / "meta.json").unlink()
+    with pytest.raises(CheckpointError, match=message):
+        verify_checkpoint(newest)
+    logged: list[str] = []
+    assert find_resumable(damaged, log=logged.append) == damaged / "step-000006"
+    assert len(logged) == 1 and logged[0].startswith("skipping damaged checkpoint:")
+
+
+def test_a_leftover_tmp_folder_is_never_a_checkpoint(damaged):
+    shutil.copytree(damaged / "step-000008", damaged / "step-000010.tmp")
+    assert find_resumable(damaged) == damaged / "step-000008"
+
+
+def test_resume_uses_the_older_checkpoint_when_the_newest_is_damaged(baseline, tmp_path):
+    ckpt = tmp_path / "ckpt"
+    shutil.copytree(baseline / "ckpt", ckpt)
+    for step in (8, 6):  # keep 4 and 2; damage 6, remove 8: resume must use 4
+        shutil.rmtree(ckpt / f"step-{step:06d}") if step == 8 else (ckpt / f"step-{step:06d}" / "__0_0.distcp").write_bytes(b"x")
+    result = _run(tmp_path, ckpt)
+    assert "skipping damaged checkpoint" in result.stderr + result.stdout
+    assert _final(tmp_path)["resumed_from"].endswith("step-000004")
+    assert _same(_final(tmp_path)["final"], _final(baseline)["final"])
+
+
+def test_a_checkpoint_of_another_model_is_refused_naming_both_configs(tmp_path):
+    saved = {"name": "tiny", "hidden_size": 64, "num_hidden_layers": 4}
+    current = {"name": "tiny-wide", "hidden_size": 128, "num_hidden_layers": 4}
+    with pytest.raises(ValueError, match=r"is of another model \(tiny vs tiny-wide\): hidden_size: checkpoint 64 vs model 128"):
+        check_model_config(saved, current, tmp_path)
+
+
+def test_consecutive_save_failures_stop_training_with_a_clear_error(tmp_path):
+    class FakeTrainer:
+        is_global_zero = True
+
+    callback = FaultTolerantCheckpoint(tmp_path, every_n_steps=1, max_consecutive_failures=2)
+    callback._failed(FakeTrainer(), tmp_path / "step-000001.tmp", OSError("disk full"))
+    with pytest.raises(RuntimeError, match=r"2 consecutive checkpoint saves failed \(last: OSError: disk full\)"):
+        callback._failed(FakeTrainer(), tmp_path / "step-000002.tmp", OSError("disk full"))
+
+
+def test_young_daly_interval_is_logged_from_the_measured_save_time():
+    from lightning_hybrid.callbacks.fault_tolerant import suggest_interval
+
+    # 60 s saves, 24 h MTBF: sqrt(2 * 60 * 86400) = 3220 s before Daly's correction
+    assert 3100 < suggest_interval(60.0, 24.0) < 3300
