@@ -100,14 +100,16 @@ def run(config: dict, out: Path) -> None:
     save_at = config.pop("save_at", None)          # train to this step, save, resume (maybe on another mesh)
     resume_config = config.pop("resume_config", None)
     load_from = config.pop("load_from", None)      # resume from an existing checkpoint
+    stop_after_save = config.pop("stop_after_save", False)
     L.seed_everything(SEED)
     losses, weights = LossRecorder(), WeightRecorder()
     if save_at is not None:
         ckpt = out / f"ckpt_{name}"
-        trainer, module, _ = _fit(dict(config), kind, trainer_extra, [losses, weights, SaveAt(save_at, ckpt)])
-        L.seed_everything(SEED + 1)  # the resumed run must not depend on the seed it starts with
-        config = dict(resume_config or config)
-        trainer, module, val = _fit(dict(config), kind, trainer_extra, [losses], ckpt_path=ckpt)
+        trainer, module, val = _fit(dict(config), kind, trainer_extra, [losses, weights, SaveAt(save_at, ckpt)])
+        if not stop_after_save:
+            L.seed_everything(SEED + 1)  # the resumed run must not depend on the seed it starts with
+            config = dict(resume_config or config)
+            trainer, module, val = _fit(dict(config), kind, trainer_extra, [losses], ckpt_path=ckpt)
     else:
         trainer, module, val = _fit(dict(config), kind, trainer_extra, [losses, weights], ckpt_path=load_from)
     final = full_weights(module.model)

@@ -1,0 +1,61 @@
+"""A checkpoint saved on one mesh loads into any other, weights and optimizer state identical."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from equivalence_setup import STEPS, max_relative_error
+from launch import HERE, torchrun, run_workers
+
+pytestmark = [pytest.mark.distributed, pytest.mark.timeout(900)]
+
+SAVE_AT = 2
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    out = tmp_path_factory.mktemp("reshard")
+    configs = [
+        # saves at step 2 and stops there: its final state is the checkpoint's state
+        {"name": "saved_tp2_pp2", "tp": 2, "pp": 2, "save_at": SAVE_AT, "stop_after_save": True},
+        # the same checkpoint loaded into tp=1, pp=1, dp=4 (FSDP): no step taken, state as loaded
+        {"name": "loaded_dp4", "tp": 1, "pp": 1, "load_from": str(out / "ckpt_saved_tp2_pp2"),
+         "trainer": {"max_steps": SAVE_AT}},
+        # ... and training continued there to the end
+        {"name": "continued_dp4", "tp": 1, "pp": 1, "load_from": str(out / "ckpt_saved_tp2_pp2")},
+        {"name": "continued_tp2_pp2", "tp": 2, "pp": 2, "load_from": str(out / "ckpt_saved_tp2_pp2")},
+        {"name": "uninterrupted_tp2_pp2", "tp": 2, "pp": 2},
+    ]
+    records = run_workers(4, configs, out)
+    single = [{"name": "loaded_single", "load_from": str(out / "ckpt_saved_tp2_pp2"), "trainer": {"max_steps": SAVE_AT}}]
+    records.update(run_workers(1, single, out))
+    return records
+
+
+def _same(a: dict, b: dict) -> bool:
+    return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+@pytest.mark.parametrize("name", ["loaded_dp4", "loaded_single"])
+def test_weights_and_adam_states_load_identically_on_another_mesh(runs, name):
+    saved, loaded = runs["saved_tp2_pp2"], runs[name]
+    assert _same(loaded["final"], saved["final"])
+    assert len(saved["optimizer"]) == 2 * len(saved["final"])  # exp_avg and exp_avg_sq of every parameter
+    assert _same(loaded["optimizer"], saved["optimizer"])
+
+
+def test_same_layout_resume_is_bitwise_identical_to_the_uninterrupted_run(runs):
+    assert _same(runs["continued_tp2_pp2"]["final"], runs["uninterrupted_tp2_pp2"]["final"])
+    assert _same(runs["continued_tp2_pp2"]["optimizer"], runs["uninterrupted_tp2_pp2"]["optimizer"])
+
+
+def test_training_continues_on_four_dp_ranks_with_the_losses_of_the_uninterrupted_run(runs):
+    uninterrupted = runs["uninterrupted_tp2_pp2"]["losses"]
+    continued = runs["continued_dp4"]["losses"]
+    assert len(continued) == STEPS - SAVE_AT
+    # same global batches after the change of dp (1 -> 4): losses agree to fp32 reduction-order rounding
+    for a, b in zip(continued, uninterrupted[SAVE_AT:]):
+        assert abs(a - b) / abs(b) < 1e-5, (continued, uninterrupted)
