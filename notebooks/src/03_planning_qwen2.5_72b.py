@@ -155,6 +155,9 @@ for gpu, gpus in clusters:
               f"{best.memory['total'] / 1e9:.0f} GB, {best.time['step']:.1f} s/step, MFU {best.mfu:.1%}, "
               f"{best.tokens_per_second / 1e3:.0f}k tokens/s, {100e9 / best.tokens_per_second / 86400:.1f} days "
               f"per 100B tokens")
+on_h100 = estimate(problem("h100"), layout(8, 2, "fsdp", "selective"))
+print(f"\nthe recipe's layout on 128 x H100: {on_h100.memory['total'] / 1e9:.0f} of {on_h100.usable / 1e9:.0f} GB usable "
+      f"({'fits' if on_h100.fits else 'does not fit'}), {on_h100.time['step']:.1f} s/step, MFU {on_h100.mfu:.1%}")
 names = [s[0] for s in summary if s[1] is not None]
 fig, (ax_tps, ax_mfu) = plt.subplots(1, 2, figsize=(13, 4))
 ax_tps.bar(names, [s[1].tokens_per_second / 1e3 for s in summary if s[1] is not None], color="tab:green")
