@@ -63,12 +63,12 @@ class ShardedSave:
     """A checkpoint being written; call :meth:`finish` on every rank (collective) once :meth:`ready` everywhere."""
 
     def __init__(self, strategy: "HybridParallelStrategy", folder: Path, pending: PendingWrite,
-                 info: dict[str, Any]) -> None:
+                 info: dict[str, Any], started: float) -> None:
         self.strategy = strategy
         self.folder = folder
         self.pending = pending
         self.info = info
-        self.started = time.perf_counter()
+        self.started = started
 
     def ready(self) -> bool:
         return self.pending.done()
@@ -125,6 +125,7 @@ def begin_save(strategy: "HybridParallelStrategy", checkpoint: dict[str, Any], f
     checkpoint["hybrid"] = {"data_position": data_position(strategy)}
     import torch.distributed as dist
 
+    started = time.perf_counter()
     module = strategy.lightning_module
     group = strategy.checkpoint_group
     # Local failures (permission denied, disk full) must not leave some ranks inside DCP's collectives.
@@ -142,7 +143,7 @@ def begin_save(strategy: "HybridParallelStrategy", checkpoint: dict[str, Any], f
     pending = write_shards(folder, state, group, dist.get_rank(group), strategy.global_rank, async_save)
     if strategy.global_rank == 0:
         save_trainer_state(folder, checkpoint)
-    return ShardedSave(strategy, folder, pending, _info(strategy, checkpoint))
+    return ShardedSave(strategy, folder, pending, _info(strategy, checkpoint), started)
 
 
 def check_model_config(saved: Optional[dict[str, Any]], current: Optional[dict[str, Any]], folder: Path) -> None:
