@@ -7,8 +7,10 @@ and PP outermost: the pipeline's point-to-point traffic is the lightest and may 
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Optional
+from datetime import timedelta
+from typing import TYPE_CHECKING, Iterator, Optional
 
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
@@ -99,8 +101,25 @@ class ParallelDims:
                 "tp": global_rank % self.tp}
 
 
-def build_mesh(dims: ParallelDims, device_type: str) -> "DeviceMesh":
-    """The DeviceMesh ``("pp", "dp", "tp")`` over the default process group.
+@contextlib.contextmanager
+def _group_timeout(timeout: Optional[timedelta]) -> Iterator[None]:
+    # DeviceMesh creates its groups with c10d's default timeout (30 min), not the one the default group
+    # was created with; a hung peer must end the others after the strategy's timeout.
+    import torch.distributed.distributed_c10d as c10d
+
+    if timeout is None:
+        yield
+        return
+    saved = c10d.default_pg_timeout, c10d.default_pg_nccl_timeout
+    c10d.default_pg_timeout = c10d.default_pg_nccl_timeout = timeout
+    try:
+        yield
+    finally:
+        c10d.default_pg_timeout, c10d.default_pg_nccl_timeout = saved
+
+
+def build_mesh(dims: ParallelDims, device_type: str, timeout: Optional[timedelta] = None) -> "DeviceMesh":
+    """The DeviceMesh ``("pp", "dp", "tp")`` over the default process group, its groups timing out after ``timeout``.
 
     It also answers to Lightning's ``ModelParallelStrategy`` names: ``mesh["data_parallel"]`` and
     ``mesh["tensor_parallel"]`` are the ``dp`` and ``tp`` dimensions, so a ``configure_model`` written for
@@ -108,7 +127,8 @@ def build_mesh(dims: ParallelDims, device_type: str) -> "DeviceMesh":
     """
     from torch.distributed.device_mesh import init_device_mesh
 
-    mesh = init_device_mesh(device_type, (dims.pp, dims.dp, dims.tp), mesh_dim_names=MESH_DIMS)
-    mesh["dp"]._flatten("data_parallel")
-    mesh["tp"]._flatten("tensor_parallel")
+    with _group_timeout(timeout):
+        mesh = init_device_mesh(device_type, (dims.pp, dims.dp, dims.tp), mesh_dim_names=MESH_DIMS)
+        mesh["dp"]._flatten("data_parallel")
+        mesh["tp"]._flatten("tensor_parallel")
     return mesh

@@ -202,7 +202,7 @@ class HybridParallelStrategy(ModelParallelStrategy):
     def setup_environment(self) -> None:
         self._validate()
         self._setup_distributed()
-        self._device_mesh = build_mesh(self.dims, self.root_device.type)
+        self._device_mesh = build_mesh(self.dims, self.root_device.type, self._timeout)
         # Checkpoint collectives get their own gloo group: they may run while a background write is
         # in flight and must never queue behind (or ahead of) training collectives.
         import torch.distributed as dist

@@ -49,6 +49,10 @@ class Faults(L.Callback):
             weights = full_weights(pl_module.model)
             if trainer.global_rank == 0:
                 torch.save(weights, self.out / f"weights_step{step}.pt")
+        if int(env("STALL_AT", "0")) == step and trainer.global_rank == int(env("STALL_RANK", "1")):
+            import time
+
+            time.sleep(120)  # a hung peer: alive, never joins the next collective
         kill_at = int(env("KILL_AT", "0"))
         first_only = env("KILL_ONLY_FIRST_ATTEMPT") == "1"
         if kill_at and step == kill_at and trainer.global_rank == int(env("KILL_RANK", "1")):
@@ -94,7 +98,10 @@ def main() -> None:
                                          keep_last=int(env("KEEP", "3")))
     kwargs = {**make_trainer_kwargs()["trainer"], "max_steps": int(env("STEPS", "8")), "val_check_interval": None,
               "limit_val_batches": 0}
-    trainer = L.Trainer(strategy=HybridParallelStrategy(tp=tp, pp=pp), devices=world,
+    from datetime import timedelta
+
+    timeout = timedelta(seconds=int(env("COLLECTIVE_TIMEOUT", "1800")))
+    trainer = L.Trainer(strategy=HybridParallelStrategy(tp=tp, pp=pp, timeout=timeout), devices=world,
                         callbacks=[checkpoint, Faults(out)], **kwargs)
     module = CausalLM(tiny_config(), **make_trainer_kwargs()["module"])
     train, _ = make_dataset(GLOBAL_BATCH // dp)

@@ -116,6 +116,17 @@ def test_a_failed_background_write_is_logged_removed_and_the_next_interval_saves
     assert _same(_final(tmp_path)["final"], _final(baseline)["final"])
 
 
+def test_a_hung_peer_ends_the_surviving_ranks_with_a_timeout_message(tmp_path):
+    import time
+
+    start = time.monotonic()
+    result = _run(tmp_path, tmp_path / "ckpt", check=False, STALL_AT=3, STALL_RANK=1, COLLECTIVE_TIMEOUT=15)
+    elapsed = time.monotonic() - start
+    assert result.returncode != 0
+    assert elapsed < 110, elapsed  # well before the stalled rank wakes up (120 s)
+    assert "Timed out" in result.stderr or "timed out" in result.stderr, result.stderr[-3000:]
+
+
 @pytest.fixture
 def damaged(baseline, tmp_path) -> Path:
     copy = tmp_path / "ckpt"

@@ -327,7 +327,7 @@ def test_multinode_torchrun_script_runs_preflight_then_fit_with_elastic_restarts
     calls = tmp_path / "calls.log"
     bin_dir = _fake_bin(tmp_path, {"torchrun": 'case "$*" in *" preflight "*) echo "{}";; esac; exit 0'})
     base = {**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}", "CALLS": str(calls), "NNODES": "16",
-            "MASTER_ADDR": "10.0.0.1", "RUN_DIR": str(tmp_path / "run")}
+            "MASTER_ADDR": "10.0.0.1", "MASTER_PORT": "29500", "RUN_DIR": str(tmp_path / "run")}
     for rank in ("0", "5"):
         result = subprocess.run(["bash", str(MULTINODE), str(REPO / "recipes" / "qwen2.5-72b-pretrain.yaml")],
                                 env={**base, "NODE_RANK": rank}, capture_output=True, text=True, timeout=60)
