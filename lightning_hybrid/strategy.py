@@ -171,6 +171,13 @@ class HybridParallelStrategy(ModelParallelStrategy):
 
     def _validate(self) -> None:
         """All size checks that need no collective; identical on every rank, so every rank raises alike."""
+        if self.activation_checkpointing != "none" or self.compile:
+            # Accepted by the constructor (recipes carry them) but not applied yet: refuse rather than
+            # silently train without recompute or compilation.
+            raise NotImplementedError(
+                f"activation_checkpointing={self.activation_checkpointing!r}, compile={self.compile} are not "
+                f"implemented yet; use activation_checkpointing='none' and compile=False"
+            )
         world_size = self.num_nodes * self.num_processes
         self._dims = ParallelDims.resolve(self.tp, self.pp, self.dp, world_size,
                                           devices_per_node=self.num_processes if self.num_nodes > 1 else None)

@@ -84,3 +84,14 @@ def test_indivisible_kv_heads_fail_on_every_rank_without_hanging(tmp_path):
     assert result.returncode != 0
     for rank in (0, 1):
         assert f"rank {rank}: tp=2 does not divide num_key_value_heads=1; use tp in 1" in result.stdout, result.stdout[-3000:]
+
+
+def test_switches_that_are_not_implemented_yet_are_refused_before_processes_start():
+    import torch
+
+    strategy = HybridParallelStrategy(activation_checkpointing="selective")
+    strategy._lightning_module = CausalLM("tiny")
+    strategy._parallel_devices = [torch.device("cpu")]
+    strategy.num_nodes = 1
+    with pytest.raises(NotImplementedError, match=r"activation_checkpointing='selective', compile=False are not implemented"):
+        strategy._validate()
