@@ -23,6 +23,16 @@ sys.path.insert(0, str(Path(__file__).parent))
 from equivalence_setup import GLOBAL_BATCH, SEED, LossRecorder, make_dataset, make_trainer_kwargs, tiny_config  # noqa: E402
 
 
+def gather_merged(local: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Union over all ranks of per-rank dicts (pipeline stages hold different keys)."""
+    gathered: list = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, local)
+    merged: dict[str, torch.Tensor] = {}
+    for part in gathered:
+        merged.update(part)
+    return merged
+
+
 def full_weights(module: torch.nn.Module) -> dict[str, torch.Tensor]:
     """Every parameter of the whole model, gathered from TP/FSDP shards and pipeline stages, on every rank."""
     from torch.distributed.tensor import DTensor
@@ -33,12 +43,7 @@ def full_weights(module: torch.nn.Module) -> dict[str, torch.Tensor]:
     for name, param in module.named_parameters():
         value = param.full_tensor() if isinstance(param, DTensor) else param
         local[canonical_name(name)] = value.detach().cpu().clone()
-    gathered: list = [None] * dist.get_world_size()
-    dist.all_gather_object(gathered, local)
-    merged: dict[str, torch.Tensor] = {}
-    for part in gathered:
-        merged.update(part)
-    return merged
+    return gather_merged(local)
 
 
 class WeightRecorder(L.Callback):
@@ -139,12 +144,7 @@ def optimizer_state(module: L.LightningModule) -> dict[str, torch.Tensor]:
                     if isinstance(value, torch.Tensor) and value.dim() > 0:
                         full = value.full_tensor() if isinstance(value, DTensor) else value
                         local[f"{names[id(p)]}.{key}"] = full.detach().cpu().clone()
-    gathered: list = [None] * dist.get_world_size()
-    dist.all_gather_object(gathered, local)
-    merged: dict[str, torch.Tensor] = {}
-    for part in gathered:
-        merged.update(part)
-    return merged
+    return gather_merged(local)
 
 
 def main() -> None:
