@@ -51,8 +51,12 @@ def _local(grad: Tensor) -> Tensor:
 
 
 @torch.no_grad()
-def all_reduce_gradients(parameters: Iterable[Tensor], group: "ProcessGroup", world: int) -> None:
+def all_reduce_gradients(parameters: Iterable[Tensor], group: "ProcessGroup", world: int,
+                         reduce_dtype: Optional[torch.dtype] = None) -> None:
     """Average the gradients of replicated parameters over ``group`` in buckets of about 25 MB.
+
+    ``reduce_dtype`` (for example fp32 for bf16 gradients) is the dtype the buckets are summed in;
+    ``None`` sums in the gradients' own dtype.
 
     DTensor gradients (tensor-parallel shards) are reduced through their local shard, which is the
     same shard on every rank of ``group``.
@@ -71,7 +75,9 @@ def all_reduce_gradients(parameters: Iterable[Tensor], group: "ProcessGroup", wo
     for bucket_list in buckets.values():
         for bucket in bucket_list:
             flat = _flatten_dense_tensors(bucket)
+            if reduce_dtype is not None and flat.dtype != reduce_dtype:
+                flat = flat.to(reduce_dtype)
             dist.all_reduce(flat, group=group)
             flat.div_(world)
             for g, reduced in zip(bucket, _unflatten_dense_tensors(flat, bucket)):
-                g.copy_(reduced)
+                g.copy_(reduced)  # casts back to the gradient's dtype

@@ -24,6 +24,8 @@ from lightning_hybrid.mesh import ParallelDims, build_mesh
 from lightning_hybrid.models.spec import ParallelSpec
 from lightning_hybrid.pipeline import (ZERO_BUBBLE, PipelineRunner, StageTimer, build_stages, plan_stages,
                                        stage_ids_for_rank, theoretical_bubble, validate_schedule)
+from lightning_hybrid.recompute import (ACTIVATION_CHECKPOINTING, apply_activation_checkpointing, compile_blocks,
+                                        resolve_selective)
 from lightning_hybrid.tensor_parallel import apply_tensor_parallel
 
 if TYPE_CHECKING:
@@ -41,7 +43,8 @@ PP_SCHEDULES = {
     "zbv_zero_bubble": "ZBVZeroBubble",
     "dualpipev": "DualPipeV",
 }
-ACTIVATION_CHECKPOINTING = ("none", "selective", "full")
+DECLARED_PRECISIONS = ("32-true", "bf16-mixed", "bf16-true")
+REDUCE_DTYPES = {"fp32": torch.float32, "float32": torch.float32, "bf16": torch.bfloat16, "bfloat16": torch.bfloat16}
 
 
 def _choice(name: str, value: Any, choices: Any) -> str:
@@ -80,9 +83,17 @@ class HybridParallelStrategy(ModelParallelStrategy):
         virtual_stages: pipeline stages per rank (interleaved and zero-bubble schedules need 2 or more).
         pp_split_points: explicit stage boundaries: block names where a stage starts (``["layers.40"]``) or
             a list of block counts per stage; ``None`` balances by cost.
-        activation_checkpointing: ``"none"``, ``"selective"`` or ``"full"``.
-        compile: ``torch.compile`` each block.
-        reduce_dtype: dtype of FSDP gradient reduction under mixed precision (default fp32).
+        activation_checkpointing: ``"none"``, ``"selective"`` or ``"full"`` (every block keeps only its input
+            and is re-run in backward); see :mod:`lightning_hybrid.recompute`.
+        selective_ac: what ``"selective"`` recomputes: ``"op"`` (every block; matmul, attention and collective
+            outputs are kept, norms, rotary and activations recomputed), ``"attention"`` (the attention of
+            every block) or an integer ``k`` (every k-th block in full).
+        compile: ``torch.compile`` each block (after TP and recompute, before FSDP).
+        reduce_dtype: ``"fp32"`` or ``"bf16"``: dtype of the gradient reduction over ``dp`` (FSDP reduce-scatter
+            or the replicate all-reduce). ``None``: fp32 under bf16 precision, else the gradients' dtype.
+            With Lightning's ``precision="bf16-mixed"`` the weights stay fp32 (the optimizer's master copy)
+            and compute runs in bf16 (FSDP2 gathers bf16 weights; autocast elsewhere); ``"bf16-true"``
+            stores the weights in bf16.
         preflight: run the network preflight on the training mesh before the model is built.
         save_distributed_checkpoint: each rank writes its shards (``True``) or rank 0 a full file.
         process_group_backend: ``"nccl"``/``"gloo"``; ``None`` chooses by device.
@@ -107,6 +118,7 @@ class HybridParallelStrategy(ModelParallelStrategy):
         virtual_stages: int = 1,
         pp_split_points: Optional[Union[list[str], list[int]]] = None,
         activation_checkpointing: str = "none",
+        selective_ac: Union[str, int] = "op",
         compile: bool = False,
         reduce_dtype: Optional[str] = None,
         preflight: bool = False,
@@ -131,7 +143,10 @@ class HybridParallelStrategy(ModelParallelStrategy):
         self.pp_split_points = pp_split_points
         self.activation_checkpointing = _choice("activation_checkpointing", activation_checkpointing,
                                                 ACTIVATION_CHECKPOINTING)
+        self.selective_ac = resolve_selective(selective_ac)
         self.compile = bool(compile)
+        if reduce_dtype is not None:
+            _choice("reduce_dtype", reduce_dtype, REDUCE_DTYPES)
         self.reduce_dtype = reduce_dtype
         self.preflight = bool(preflight)
         self._dims: Optional[ParallelDims] = None
@@ -171,17 +186,24 @@ class HybridParallelStrategy(ModelParallelStrategy):
 
     def _validate(self) -> None:
         """All size checks that need no collective; identical on every rank, so every rank raises alike."""
-        if self.activation_checkpointing != "none" or self.compile:
-            # Accepted by the constructor (recipes carry them) but not applied yet: refuse rather than
-            # silently train without recompute or compilation.
-            raise NotImplementedError(
-                f"activation_checkpointing={self.activation_checkpointing!r}, compile={self.compile} are not "
-                f"implemented yet; use activation_checkpointing='none' and compile=False"
-            )
         world_size = self.num_nodes * self.num_processes
         self._dims = ParallelDims.resolve(self.tp, self.pp, self.dp, world_size,
                                           devices_per_node=self.num_processes if self.num_nodes > 1 else None)
         self._spec = self._declared_spec()
+        if self._spec is not None and self._precision not in DECLARED_PRECISIONS:
+            raise ValueError(f"precision={self._precision!r} is not supported for a declared model; "
+                             f"use one of {DECLARED_PRECISIONS}")
+        if self._spec is None and (self.activation_checkpointing != "none" or self.compile):
+            raise ValueError(f"activation_checkpointing={self.activation_checkpointing!r}/compile={self.compile} "
+                             f"need a LightningModule that declares its blocks (parallel_spec()); a module that "
+                             f"parallelizes itself applies them in its own configure_model")
+        if self.compile and self._dims.tp > 1 and (self.sequence_parallel or self.activation_checkpointing != "none"):
+            raise ValueError(
+                f"compile=True with tp={self._dims.tp} and sequence_parallel={self.sequence_parallel}, "
+                f"activation_checkpointing={self.activation_checkpointing!r} trains with wrong gradients on torch "
+                f"{torch.__version__} (measured in lightning-hybrid's equivalence tests); with tp>1 use compile=True "
+                f"only without sequence_parallel and recompute, or compile=False"
+            )
         if self._spec is not None:
             num_blocks = self.lightning_module.num_blocks()
             self._dims.check_model(self._spec.tp_divisible, num_blocks, self.virtual_stages)
@@ -278,22 +300,36 @@ class HybridParallelStrategy(ModelParallelStrategy):
         if already_built:
             raise ValueError(f"{type(self.lightning_module).__name__}.configure_model() built real weights; "
                              f"build the declared model on the meta device so the strategy can shard it first")
+        self.precision_plugin.convert_module(model)  # bf16-true: bf16 storage (cheap on meta, before sharding)
         if dims.tp > 1:
             apply_tensor_parallel(model, spec, mesh["tp"], self.sequence_parallel)
+        self._recompute_and_compile(model, spec)
         if dims.dp > 1 and self.data_parallel == "fsdp":
-            apply_fsdp(model, getattr(model, spec.blocks), mesh["dp"], reduce_dtype=self._reduce_dtype())
+            apply_fsdp(model, getattr(model, spec.blocks), mesh["dp"], param_dtype=self._param_dtype(),
+                       reduce_dtype=self._reduce_dtype())
         model.to_empty(device=self.root_device)
         seed = self.broadcast(self.lightning_module.init_seed())
         self._initialize(model, model, seed)
 
     def _shard_stage(self, stage: torch.nn.Module, spec: ParallelSpec) -> None:
         dims, mesh = self.dims, self.device_mesh
+        self.precision_plugin.convert_module(stage)
         if dims.tp > 1:
             apply_tensor_parallel(stage, spec, mesh["tp"], self.sequence_parallel)
+        self._recompute_and_compile(stage, spec)
         if dims.dp > 1 and self.data_parallel == "fsdp":
             # Zero-bubble schedules run the weight-gradient pass separately and need the gathered weights.
-            apply_fsdp(stage, getattr(stage, spec.blocks), mesh["dp"], reduce_dtype=self._reduce_dtype(),
-                       reshard_after_forward=self.pp_schedule not in ZERO_BUBBLE)
+            apply_fsdp(stage, getattr(stage, spec.blocks), mesh["dp"], param_dtype=self._param_dtype(),
+                       reduce_dtype=self._reduce_dtype(), reshard_after_forward=self.pp_schedule not in ZERO_BUBBLE)
+
+    def _recompute_and_compile(self, model: torch.nn.Module, spec: ParallelSpec) -> None:
+        blocks = getattr(model, spec.blocks, None)
+        if blocks is None or len(blocks) == 0:
+            return
+        apply_activation_checkpointing(blocks, self.activation_checkpointing, self.selective_ac,
+                                       spec.block_attention)
+        if self.compile:
+            compile_blocks(blocks, parts=spec.block_norm_consumers if self.dims.tp > 1 else None)
 
     def _build_pipeline(self, model: torch.nn.Module, spec: ParallelSpec, trainer: "pl.Trainer") -> None:
         """Split into stages, shard each, materialize, and build the schedule and its runner."""
@@ -342,11 +378,19 @@ class HybridParallelStrategy(ModelParallelStrategy):
         else:
             init_parameters(target, seed, declared.parameter_init)
 
+    @property
+    def _precision(self) -> str:
+        return str(getattr(self.precision_plugin, "precision", "32-true"))
+
+    def _param_dtype(self) -> Optional[torch.dtype]:
+        """Compute dtype of FSDP2's gathered weights: bf16 under ``bf16-mixed`` (the shards stay fp32)."""
+        return torch.bfloat16 if self._precision == "bf16-mixed" else None
+
     def _reduce_dtype(self) -> Optional[torch.dtype]:
-        if self.reduce_dtype is None:
-            return None
-        dtypes = {"fp32": torch.float32, "float32": torch.float32, "bf16": torch.bfloat16, "bfloat16": torch.bfloat16}
-        return dtypes[_choice("reduce_dtype", self.reduce_dtype, dtypes)]
+        """Gradient reduction dtype over ``dp``: the given one, fp32 under bf16 precision, else the gradients'."""
+        if self.reduce_dtype is not None:
+            return REDUCE_DTYPES[_choice("reduce_dtype", self.reduce_dtype, REDUCE_DTYPES)]
+        return torch.float32 if self._precision.startswith("bf16") else None
 
     @override
     def model_to_device(self) -> None:
@@ -384,7 +428,7 @@ class HybridParallelStrategy(ModelParallelStrategy):
             def closure() -> Any:  # noqa: F811 - wraps Lightning's closure
                 result = inner()
                 all_reduce_gradients(self.lightning_module.model.parameters(),
-                                     self.device_mesh["dp"].get_group(), self.dims.dp)
+                                     self.device_mesh["dp"].get_group(), self.dims.dp, self._reduce_dtype())
                 return result
 
         result = super().optimizer_step(optimizer, closure, model, **kwargs)

@@ -120,12 +120,38 @@ def run(config: dict, out: Path) -> None:
     final = full_weights(module.model)
     record = {"losses": losses.losses, "val_loss": float(trainer.callback_metrics["val_loss"])
               if "val_loss" in trainer.callback_metrics else None, "initial": weights.initial, "final": final,
-              "optimizer": optimizer_state(module)}
+              "optimizer": optimizer_state(module), "switches": applied_switches(module.model)}
     if evaluate:
         record.update(evaluate_after_fit(trainer, module, val))
     if trainer.global_rank == 0:
         torch.save(record, out / f"{name}.pt")
     dist.barrier()
+
+
+def applied_switches(model: torch.nn.Module) -> dict:
+    """What the strategy applied, over all ranks: recomputed and compiled modules, FSDP2 dtypes, weight dtypes."""
+    from lightning_hybrid.initialization import canonical_name
+    from lightning_hybrid.recompute import recomputed
+
+    local = {"recomputed": {}, "compiled": [], "mp_policy": [], "param_dtypes": []}
+    for name, sub in model.named_modules():
+        if recomputed(sub):
+            local["recomputed"][canonical_name(name)] = recomputed(sub)
+        if getattr(sub, "_compiled_call_impl", None) is not None:
+            local["compiled"].append(canonical_name(name))
+        state = getattr(sub, "_get_fsdp_state", None)
+        if callable(state) and name.count(".") == 0:
+            policy = state()._mp_policy
+            local["mp_policy"].append((str(policy.param_dtype), str(policy.reduce_dtype)))
+    local["param_dtypes"] = sorted({str(p.dtype) for p in model.parameters()})
+    gathered: list = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, local)
+    merged = {"recomputed": {}, "compiled": set(), "mp_policy": set(), "param_dtypes": set()}
+    for part in gathered:
+        merged["recomputed"].update(part["recomputed"])
+        for key in ("compiled", "mp_policy", "param_dtypes"):
+            merged[key].update(part[key])
+    return merged
 
 
 def optimizer_state(module: L.LightningModule) -> dict[str, torch.Tensor]:

@@ -26,6 +26,9 @@ def schedule_runs(tmp_path_factory):
                 "trainer": {"val_check_interval": 2}} for s in SCHEDULES]
     configs.append({"name": "1f1b_split_points", "pp": 2, "pp_schedule": "1f1b", "pp_split_points": ["layers.1"],
                     "evaluate": True})
+    configs.append({"name": "1f1b_recompute_every_2nd_block", "pp": 2, "pp_schedule": "1f1b",
+                    "activation_checkpointing": "selective", "selective_ac": 2})
+    configs.append({"name": "1f1b_bf16_mixed", "pp": 2, "pp_schedule": "1f1b", "trainer": {"precision": "bf16-mixed"}})
     configs.append({"name": "zbv_evaluate", "pp": 2, "pp_schedule": "zbv_zero_bubble", "virtual_stages": 2,
                     "evaluate": True})
     return run_workers(2, configs, tmp_path_factory.mktemp("pp2"))
@@ -104,3 +107,19 @@ def test_gradient_clipping_across_stages_matches_single_process(four_process_run
 def test_loss_and_weights_match_single_process_with_pp2_tp2_dp2(eight_process_runs, reference_run, name):
     _check(eight_process_runs[name], reference_run)
     assert abs(eight_process_runs[name]["val_loss"] - reference_run["val_loss"]) / reference_run["val_loss"] < TOL
+
+
+def test_recompute_of_every_second_block_across_stages_changes_no_number(schedule_runs, reference_run):
+    record = schedule_runs["1f1b_recompute_every_2nd_block"]
+    # global block indices: the choice is the same however the blocks are split into stages
+    assert record["switches"]["recomputed"] == {"layers.0": "full", "layers.2": "full"}
+    _check(record, reference_run)
+    for key, value in schedule_runs["1f1b"]["final"].items():
+        assert torch.equal(record["final"][key], value), key
+
+
+def test_bf16_mixed_through_the_pipeline_stays_within_bf16_tolerance(schedule_runs, reference_run):
+    record = schedule_runs["1f1b_bf16_mixed"]
+    assert record["switches"]["param_dtypes"] == {"torch.float32"}
+    err = max_relative_error(record, reference_run)
+    assert 1e-5 < err["loss"] < 1e-2, (err, record["losses"], reference_run["losses"])

@@ -86,12 +86,44 @@ def test_indivisible_kv_heads_fail_on_every_rank_without_hanging(tmp_path):
         assert f"rank {rank}: tp=2 does not divide num_key_value_heads=1; use tp in 1" in result.stdout, result.stdout[-3000:]
 
 
-def test_switches_that_are_not_implemented_yet_are_refused_before_processes_start():
+def _validated(module, **kwargs):
     import torch
 
-    strategy = HybridParallelStrategy(activation_checkpointing="selective")
-    strategy._lightning_module = CausalLM("tiny")
+    strategy = HybridParallelStrategy(**kwargs)
+    strategy._lightning_module = module
     strategy._parallel_devices = [torch.device("cpu")]
     strategy.num_nodes = 1
-    with pytest.raises(NotImplementedError, match=r"activation_checkpointing='selective', compile=False are not implemented"):
+    strategy._validate()
+    return strategy
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    ({"selective_ac": "mlp"}, r"selective_ac='mlp' is not a mode; use one of \('op', 'attention'\) or a block stride"),
+    ({"selective_ac": 0}, r"selective_ac=0: a block stride must be >= 1"),
+    ({"reduce_dtype": "fp16"}, r"reduce_dtype='fp16'"),
+    ({"activation_checkpointing": "some"}, r"activation_checkpointing='some'"),
+])
+def test_bad_recompute_and_precision_switches_are_refused_on_construction(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        HybridParallelStrategy(**kwargs)
+
+
+def test_a_precision_the_declared_path_does_not_implement_is_refused_before_any_collective():
+    from lightning.pytorch.plugins.precision import MixedPrecision
+
+    strategy = HybridParallelStrategy()
+    strategy.precision_plugin = MixedPrecision("16-mixed", "cpu")
+    strategy._lightning_module = CausalLM("tiny")
+    strategy._parallel_devices = [__import__("torch").device("cpu")]
+    strategy.num_nodes = 1
+    with pytest.raises(ValueError, match=r"precision='16-mixed' is not supported for a declared model; use one of"):
         strategy._validate()
+
+
+def test_recompute_and_compile_switches_are_accepted_for_a_declared_model_and_refused_without_one():
+    from user_module import UserTPModule
+
+    strategy = _validated(CausalLM("tiny"), activation_checkpointing="selective", selective_ac="2", compile=True)
+    assert strategy.selective_ac == 2 and strategy.compile
+    with pytest.raises(ValueError, match=r"activation_checkpointing='full'/compile=False need a LightningModule that declares"):
+        _validated(UserTPModule(), activation_checkpointing="full")

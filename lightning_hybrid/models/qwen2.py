@@ -220,6 +220,7 @@ class Qwen2(nn.Module):
             },
             block_norms=("input_layernorm", "post_attention_layernorm"),
             block_norm_consumers=("self_attn", "mlp"),
+            block_attention="self_attn",
             tp_divisible={"num_attention_heads": c.num_attention_heads,
                           "num_key_value_heads": c.num_key_value_heads},
             block_cost=1.0,

@@ -8,6 +8,7 @@ method. This module is plain data: it does not import ``torch.distributed``.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Optional
 
 __all__ = ["ParallelSpec", "TP_STYLES"]
 
@@ -34,6 +35,8 @@ class ParallelSpec:
         block_norms: norms of a block, sharded on the sequence under sequence parallelism.
         block_norm_consumers: submodules fed by those norms; their input is gathered back to the
             full sequence under sequence parallelism.
+        block_attention: attribute name of a block's attention submodule (recomputed alone by
+            ``activation_checkpointing="selective", selective_ac="attention"``).
         tp_divisible: config field -> value that the tensor-parallel size must divide.
         block_cost: relative compute cost of one block (for pipeline balancing).
         embedding_cost: relative cost of the embedding, in the same unit.
@@ -47,6 +50,7 @@ class ParallelSpec:
     block_plan: dict[str, str]
     block_norms: tuple[str, ...] = ()
     block_norm_consumers: tuple[str, ...] = ()
+    block_attention: Optional[str] = None
     tp_divisible: dict[str, int] = field(default_factory=dict)
     block_cost: float = 1.0
     embedding_cost: float = 0.0
