@@ -154,6 +154,7 @@ class HybridParallelStrategy(ModelParallelStrategy):
         self.pipeline: Optional[PipelineRunner] = None
         self._parallelized: Optional[torch.nn.Module] = None
         self.checkpoint_group: Optional[Any] = None
+        self.background_checkpoint_group: Optional[Any] = None
         self.per_rank_batch_size: Optional[int] = None
         self.resume_position: Optional[dict[str, int]] = None
         self.train_sampler: Optional[Any] = None
@@ -232,11 +233,14 @@ class HybridParallelStrategy(ModelParallelStrategy):
         self._validate()
         self._setup_distributed()
         self._device_mesh = build_mesh(self.dims, self.root_device.type, self._timeout)
-        # Checkpoint collectives get their own gloo group: they may run while a background write is
-        # in flight and must never queue behind (or ahead of) training collectives.
+        # Checkpoint collectives get their own gloo groups: they may run while a background write is in flight and
+        # must never queue behind (or ahead of) training collectives. The background writer (DCP's async save, in
+        # another thread) gets a group of its own: two threads issuing collectives on one group can match them
+        # across ranks in different orders and hang (the main thread meets on `checkpoint_group` at every step).
         import torch.distributed as dist
 
         self.checkpoint_group = dist.new_group(backend="gloo", timeout=self._timeout)
+        self.background_checkpoint_group = dist.new_group(backend="gloo", timeout=self._timeout)
         if self.preflight:
             self._run_preflight()
         assert self.lightning_module is not None

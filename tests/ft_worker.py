@@ -3,7 +3,8 @@
 Environment: OUT (folder for results), CKPT (checkpoint folder), STEPS, EVERY (save interval),
 ASYNC (0/1), KILL_AT (step at which KILL_RANK SIGKILLs itself, right after that step's save started),
 KILL_ONLY_FIRST_ATTEMPT (1: only when torchrun's restart count is 0), SIGTERM_AT (every rank sends itself
-SIGTERM at that step), TP, PP.
+SIGTERM at that step), SLOW_WRITER_RANK (that rank's background writer pauses 2 s before its first
+collective), TP, PP.
 """
 
 from __future__ import annotations
@@ -87,8 +88,31 @@ def inject_write_failures() -> None:
     sharded.write_shards = failing
 
 
+def slow_down_background_writer() -> None:
+    """SLOW_WRITER_RANK=R: rank R's background DCP write sleeps 2 s before planning (before its first collective),
+    so the other ranks' writers are already waiting in a collective while every main thread trains on and meets
+    at the next step boundary. Shared by the two threads, one process group would match their collectives
+    across ranks in different orders and hang."""
+    if env("SLOW_WRITER_RANK") == "" or int(env("RANK")) != int(env("SLOW_WRITER_RANK")):
+        return
+    import threading
+    import time
+
+    from torch.distributed.checkpoint.filesystem import FileSystemWriter
+
+    original = FileSystemWriter.prepare_local_plan
+
+    def slow(self, plan):
+        if threading.current_thread() is not threading.main_thread():
+            time.sleep(2.0)
+        return original(self, plan)
+
+    FileSystemWriter.prepare_local_plan = slow
+
+
 def main() -> None:
     inject_write_failures()
+    slow_down_background_writer()
     out, ckpt = Path(env("OUT")), Path(env("CKPT"))
     tp, pp = int(env("TP", "2")), int(env("PP", "2"))
     world = int(env("WORLD_SIZE"))

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -25,7 +26,18 @@ def torchrun(nproc: int, args: list[str], timeout: float = 240, env: dict | None
                 **(env or {})}
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc),
            "--master_addr", "127.0.0.1", "--master_port", str(free_port()), *args]
-    result = subprocess.run(cmd, env=full_env, capture_output=True, text=True, timeout=timeout)
+    # torchrun and its workers share a new session: on a timeout all of them are killed, so a hung test leaves
+    # no workers behind to slow down (or hold ports for) the rest of the suite.
+    proc = subprocess.Popen(cmd, env=full_env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True)
+    try:
+        stdout, stderr = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        stdout, stderr = proc.communicate()
+        raise AssertionError(f"torchrun {' '.join(args)} ran past {timeout} s (killed):\n{stdout[-4000:]}\n"
+                             f"{stderr[-8000:]}") from None
+    result = subprocess.CompletedProcess(cmd, proc.returncode, stdout, stderr)
     if check and result.returncode != 0:
         raise AssertionError(f"torchrun failed ({result.returncode}):\n{result.stdout[-4000:]}\n{result.stderr[-8000:]}")
     return result

@@ -12,16 +12,16 @@ import torch
 from launch import HERE, torchrun
 from lightning_hybrid.callbacks.fault_tolerant import EXIT_CODE_PREEMPTED, FaultTolerantCheckpoint
 from lightning_hybrid.checkpoint.manifest import (CheckpointError, committed_checkpoints, find_resumable,
-                                                  verify_checkpoint)
+                                                  set_aside_newer, verify_checkpoint)
 from lightning_hybrid.checkpoint.sharded import check_model_config
 
 pytestmark = [pytest.mark.distributed, pytest.mark.timeout(900)]
 
 
-def _run(out: Path, ckpt: Path, check: bool = True, extra_args: tuple = (), **env):
+def _run(out: Path, ckpt: Path, check: bool = True, extra_args: tuple = (), timeout: float = 300, **env):
     out.mkdir(parents=True, exist_ok=True)
     variables = {"OUT": str(out), "CKPT": str(ckpt), **{k: str(v) for k, v in env.items()}}
-    return torchrun(4, [*extra_args, str(HERE / "ft_worker.py")], timeout=300, env=variables, check=check)
+    return torchrun(4, [*extra_args, str(HERE / "ft_worker.py")], timeout=timeout, env=variables, check=check)
 
 
 def _losses(out: Path) -> list[dict]:
@@ -90,6 +90,15 @@ def test_kill_during_an_async_write_leaves_the_previous_checkpoint_and_resumes_f
     _run(tmp_path, tmp_path / "ckpt")
     assert not list((tmp_path / "ckpt").glob("*.tmp"))
     assert _final(tmp_path)["resumed_from"].endswith("step-000002")
+    assert _same(_final(tmp_path)["final"], _final(baseline)["final"])
+
+
+def test_a_slow_background_write_on_one_rank_does_not_deadlock_training(baseline, tmp_path):
+    # Rank 1's writer starts its collectives 2 s late, while the other ranks' writers wait in theirs and every
+    # main thread meets at the step boundaries (the callback's agreement all-reduce) meanwhile.
+    _run(tmp_path, tmp_path / "ckpt", timeout=150, SLOW_WRITER_RANK=1)
+    assert [c.step for c in committed_checkpoints(tmp_path / "ckpt")] == [8, 6, 4]
+    assert verify_checkpoint(tmp_path / "ckpt" / "step-000008")["step"] == 8
     assert _same(_final(tmp_path)["final"], _final(baseline)["final"])
 
 
@@ -171,6 +180,25 @@ def test_resume_uses_the_older_checkpoint_when_the_newest_is_damaged(baseline, t
     assert "skipping damaged checkpoint" in result.stderr + result.stdout
     assert _final(tmp_path)["resumed_from"].endswith("step-000004")
     assert _same(_final(tmp_path)["final"], _final(baseline)["final"])
+    # The damaged step 6 was moved aside, so the resumed run saved step 6 anew (not skipped as "already saved").
+    assert "moved the damaged checkpoint aside to" in result.stderr + result.stdout
+    assert (ckpt / "step-000006.damaged" / "__0_0.distcp").read_bytes() == b"x"
+    assert verify_checkpoint(ckpt / "step-000006")["step"] == 6
+    assert (ckpt / "latest").read_text().strip() == "step-000008"
+
+
+def test_damaged_checkpoints_newer_than_the_chosen_one_are_set_aside_and_kept(damaged):
+    (damaged / "step-000008" / "meta.json").unlink()
+    (damaged / "step-000006" / "__0_0.distcp").write_bytes(b"x")
+    assert find_resumable(damaged) == damaged / "step-000004"
+    assert set_aside_newer(damaged, 4) == [damaged / "step-000008.damaged", damaged / "step-000006.damaged"]
+    assert [c.step for c in committed_checkpoints(damaged)] == [4, 2]
+    assert (damaged / "step-000006.damaged" / "__0_0.distcp").read_bytes() == b"x"  # kept for inspection
+    # the same step damaged again later keeps both copies
+    shutil.copytree(damaged / "step-000004", damaged / "step-000006")
+    (damaged / "step-000006" / "meta.json").unlink()
+    assert set_aside_newer(damaged, 4) == [damaged / "step-000006.damaged-2"]
+    assert set_aside_newer(damaged, 4) == [] and find_resumable(damaged) == damaged / "step-000004"
 
 
 def test_a_checkpoint_of_another_model_is_refused_naming_both_configs(tmp_path):

@@ -15,8 +15,8 @@ import torch
 import lightning.pytorch as pl
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 
-from lightning_hybrid.checkpoint.manifest import (CheckpointError, find_resumable, purge_old, step_dirname,
-                                                  update_latest, committed_checkpoints, fsync_dir)
+from lightning_hybrid.checkpoint.manifest import (CheckpointError, committed_checkpoints, find_resumable, fsync_dir,
+                                                  purge_old, set_aside_newer, step_dirname, update_latest)
 
 __all__ = ["FaultTolerantCheckpoint", "Preempted", "EXIT_CODE_PREEMPTED", "suggest_interval"]
 
@@ -128,13 +128,21 @@ class FaultTolerantCheckpoint(pl.Callback):
             return
         found = None
         if trainer.is_global_zero:
+            existing = committed_checkpoints(self.dirpath)
             found = find_resumable(self.dirpath, log=rank_zero_warn, checksums=self.verify_checksums)
-            if found is None and committed_checkpoints(self.dirpath):
+            if found is None and existing:
                 message = (f"no valid checkpoint in {self.dirpath} (all are damaged)"
                            + ("; starting from scratch" if self.allow_fresh_start else
                               "; pass allow_fresh_start=True to start from scratch or repair the folder"))
                 found = "" if self.allow_fresh_start else f"error:{message}"
                 rank_zero_warn(message)
+            if existing and existing[0].path != found and not str(found).startswith("error:"):
+                # The damaged ones are moved aside (kept, never tried again; their steps can be saved anew).
+                chosen = next((c.step for c in existing if c.path == found), -1)
+                for moved in set_aside_newer(self.dirpath, chosen):
+                    rank_zero_warn(f"moved the damaged checkpoint aside to {moved}")
+                if found:
+                    update_latest(self.dirpath, found)
         found = strategy.broadcast(str(found) if found else "")
         if found.startswith("error:"):
             raise CheckpointError(found[len("error:"):])

@@ -97,6 +97,8 @@ def write_shards(folder: Path, state: dict[str, Any], group: Any, group_rank: in
 
     With ``async_save`` the call returns once the state is copied to host memory (DCP's staging); the
     files are written in a background thread and checksummed there. Otherwise it returns after the write.
+    The background thread runs collectives on ``group``: no other thread may use that group until the write
+    is done, or ranks can match the two threads' collectives in different orders and hang.
     """
     import torch.distributed.checkpoint as dcp
 

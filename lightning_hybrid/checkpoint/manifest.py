@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any, Iterable, Optional, Union
 
 __all__ = ["MANIFEST", "LATEST", "step_dirname", "file_record", "write_manifest", "verify_checkpoint",
-           "CheckpointError", "committed_checkpoints", "find_resumable", "update_latest", "purge_old",
+           "CheckpointError", "committed_checkpoints", "find_resumable", "set_aside_newer", "update_latest", "purge_old",
            "fsync_dir"]
 
 MANIFEST = "meta.json"
@@ -141,6 +141,29 @@ def find_resumable(dirpath: Union[str, Path], log: Any = print, checksums: bool 
             continue
         return candidate.path
     return None
+
+
+def set_aside_newer(dirpath: Union[str, Path], step: int) -> list[Path]:
+    """Rename every committed checkpoint newer than ``step`` to ``step-N.damaged`` (``.damaged-2``, ... if taken).
+
+    Called after :func:`find_resumable` chose the checkpoint of ``step`` (``-1``: none), when every newer one
+    failed its check: set aside, they are kept for inspection but never tried again, and the resumed run can
+    save those steps anew. Only one process may call it. Returns the new paths.
+    """
+    moved = []
+    for candidate in committed_checkpoints(dirpath):
+        if candidate.step <= step:
+            break
+        target = candidate.path.with_name(candidate.path.name + ".damaged")
+        n = 1
+        while target.exists():
+            n += 1
+            target = candidate.path.with_name(f"{candidate.path.name}.damaged-{n}")
+        os.replace(candidate.path, target)
+        moved.append(target)
+    if moved:
+        fsync_dir(Path(dirpath))
+    return moved
 
 
 def update_latest(dirpath: Path, folder: Path) -> None:

@@ -140,7 +140,9 @@ def begin_save(strategy: "HybridParallelStrategy", checkpoint: dict[str, Any], f
     if any(errors):
         raise CheckpointWriteError(f"saving {folder} failed: " + "; ".join(f"rank {r}: {e}" for r, e in enumerate(errors) if e))
     state = model_optimizer_state(module.model, list(strategy.optimizers))
-    pending = write_shards(folder, state, group, dist.get_rank(group), strategy.global_rank, async_save)
+    # An asynchronous write runs its collectives in a background thread, on a group no other thread uses.
+    writer_group = strategy.background_checkpoint_group if async_save else group
+    pending = write_shards(folder, state, writer_group, dist.get_rank(writer_group), strategy.global_rank, async_save)
     if strategy.global_rank == 0:
         save_trainer_state(folder, checkpoint)
     return ShardedSave(strategy, folder, pending, _info(strategy, checkpoint), started)
