@@ -10,6 +10,10 @@ imports ``torch.distributed``; the notebook's kernel stays a single plain proces
     run = launch_cli(["fit", "--config", "recipes/tiny-cpu.yaml", "--trainer.max_steps", "20"], nproc=4,
                      log_dir="runs/quickstart")
     steps, losses = zip(*run["scalars"]["train_loss"])
+
+To see fault tolerance at work, ``on_line`` watches the output and can kill one rank of the running job
+(``job.kill_rank(3)``), as a failing GPU or node would; ``check=False`` returns the failed run instead of
+raising.
 """
 
 from __future__ import annotations
@@ -26,7 +30,8 @@ from collections import deque
 from pathlib import Path
 from typing import Callable, Optional, Union
 
-__all__ = ["launch_cli", "read_scalars", "latest_version_dir", "free_port", "torchrun_command"]
+__all__ = ["launch_cli", "read_scalars", "latest_version_dir", "free_port", "torchrun_command", "worker_pids",
+           "LocalJob"]
 
 # Options whose value is a path: made absolute, because the child process runs in ``log_dir``.
 _PATH_OPTIONS = ("--config", "-c")
@@ -104,6 +109,97 @@ def read_scalars(run_dir: Union[str, Path]) -> dict[str, list[tuple[int, float]]
     return {tag: sorted(values.items()) for tag, values in scalars.items()}
 
 
+def _children(pid: int) -> list[int]:
+    """Every descendant process of ``pid`` (psutil when installed, else Linux's /proc)."""
+    try:
+        import psutil
+    except ImportError:
+        psutil = None
+    if psutil is not None:
+        try:
+            return [child.pid for child in psutil.Process(pid).children(recursive=True)]
+        except psutil.NoSuchProcess:
+            return []
+    proc = Path("/proc")
+    if not proc.is_dir():
+        raise RuntimeError("finding the worker processes needs psutil on this system (pip install psutil)")
+    parents: dict[int, int] = {}
+    for entry in proc.iterdir():
+        if entry.name.isdigit():
+            try:
+                # /proc/PID/stat: "pid (command) state ppid ..."; the command may hold spaces and parentheses.
+                fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
+            except (OSError, IndexError):
+                continue
+            parents[int(entry.name)] = int(fields[1])
+    found, frontier = [], [pid]
+    while frontier:
+        parent = frontier.pop()
+        kids = [p for p, pp in parents.items() if pp == parent]
+        found += kids
+        frontier += kids
+    return found
+
+
+def _environment(pid: int) -> dict[str, str]:
+    try:
+        import psutil
+    except ImportError:
+        psutil = None
+    try:
+        if psutil is not None:
+            return dict(psutil.Process(pid).environ())
+        raw = Path(f"/proc/{pid}/environ").read_bytes()
+    except Exception:  # the process ended meanwhile, or is not ours to read
+        return {}
+    pairs = (item.split(b"=", 1) for item in raw.split(b"\0") if b"=" in item)
+    return {k.decode(errors="replace"): v.decode(errors="replace") for k, v in pairs}
+
+
+def worker_pids(launcher_pid: int) -> dict[int, int]:
+    """Global rank -> process id of the training processes a torchrun (``launcher_pid``) started on this machine.
+
+    Workers are recognised by the ``RANK`` variable torchrun sets in their environment.
+
+    Raises:
+        RuntimeError: the processes cannot be listed on this system (no /proc and no psutil).
+    """
+    ranks = {}
+    for pid in _children(launcher_pid):
+        rank = _environment(pid).get("RANK")
+        if rank is not None and rank.isdigit() and int(rank) not in ranks:
+            ranks[int(rank)] = pid
+    return ranks
+
+
+class LocalJob:
+    """A running ``launch_cli`` job, handed to its ``on_line`` callback."""
+
+    def __init__(self, proc: subprocess.Popen, nproc: int) -> None:
+        self.proc = proc
+        self.nproc = nproc
+        self.killed: list[tuple[int, int]] = []  # (rank, signal) sent by kill_rank
+
+    def kill_rank(self, rank: int, signum: int = signal.SIGKILL) -> int:
+        """Send ``signum`` (SIGKILL by default: no handler runs, as when a GPU or node dies) to one rank.
+
+        Returns:
+            The process id that got the signal.
+
+        Raises:
+            ValueError: ``rank`` is not a rank of this job.
+            RuntimeError: no process with that rank is running (not started yet, or already ended).
+        """
+        if not isinstance(rank, int) or not 0 <= rank < self.nproc:
+            raise ValueError(f"rank={rank!r} is not a rank of this job; use 0 to {self.nproc - 1}")
+        pid = worker_pids(self.proc.pid).get(rank)
+        if pid is None:
+            raise RuntimeError(f"no running process has rank {rank} (the job has not started it or it ended)")
+        os.kill(pid, signum)
+        self.killed.append((rank, int(signum)))
+        return pid
+
+
 def _kill_group(proc: subprocess.Popen) -> None:
     """Kill torchrun and the workers it started (they share the session this module gave torchrun)."""
     try:
@@ -121,7 +217,8 @@ def _pump(proc: subprocess.Popen, pending: queue.Queue) -> None:
 
 def launch_cli(args: list[str], nproc: int, log_dir: Union[str, Path], timeout: float = 600,
                env: Optional[dict[str, str]] = None, echo: Optional[Callable[[str], None]] = print,
-               keep: Callable[[str], bool] = lambda line: True) -> dict:
+               keep: Callable[[str], bool] = lambda line: True,
+               on_line: Optional[Callable[[str, LocalJob], None]] = None, check: bool = True) -> dict:
     """Run ``lightning-hybrid ARGS`` on ``nproc`` local processes with torchrun and return what it logged.
 
     The child runs in ``log_dir`` (created if needed), so a recipe's ``logger.save_dir: .`` writes there;
@@ -136,13 +233,16 @@ def launch_cli(args: list[str], nproc: int, log_dir: Union[str, Path], timeout: 
         env: extra environment variables (``OMP_NUM_THREADS=1`` is set unless given).
         echo: receives each kept output line; ``None`` keeps quiet.
         keep: filter of the echoed lines (all lines are still returned in ``output``).
+        on_line: called with every output line and the running :class:`LocalJob` (which can kill a rank).
+        check: raise when the run exits non-zero; ``False`` returns it (a run killed on purpose).
 
     Returns:
         ``{"returncode", "seconds", "log_dir" (the TensorBoard version folder or None), "scalars"
-        (tag -> [(step, value)]), "output" (all lines)}``.
+        (tag -> [(step, value)]), "output" (all lines), "killed" ([(rank, signal)] sent through the job)}``.
 
     Raises:
-        RuntimeError: the run failed (non-zero exit) or ran past ``timeout``; the message ends with its last lines.
+        RuntimeError: the run ran past ``timeout``, or failed (non-zero exit) with ``check=True``; the message
+            ends with its last lines.
     """
     log_dir = Path(log_dir).resolve()
     log_dir.mkdir(parents=True, exist_ok=True)
@@ -155,6 +255,7 @@ def launch_cli(args: list[str], nproc: int, log_dir: Union[str, Path], timeout: 
                             text=True, bufsize=1, start_new_session=True)
     # A reader thread feeds a queue; this thread echoes (so output lands in the calling cell) and watches the clock.
     pending: queue.Queue = queue.Queue()
+    job = LocalJob(proc, nproc)
     reader = threading.Thread(target=_pump, args=(proc, pending), daemon=True)
     reader.start()
     timed_out = False
@@ -174,17 +275,19 @@ def launch_cli(args: list[str], nproc: int, log_dir: Union[str, Path], timeout: 
             tail.append(line)
             if echo is not None and keep(line):
                 echo(line)
+            if on_line is not None:
+                on_line(line, job)
     except BaseException:  # an interrupted cell must not leave workers behind
         _kill_group(proc)
         raise
     proc.wait()
     reader.join(timeout=5)
     seconds = time.perf_counter() - start
-    if timed_out or proc.returncode != 0:
+    if timed_out or (check and proc.returncode != 0):
         why = f"ran past timeout={timeout:g} s" if timed_out else f"exited with code {proc.returncode}"
         raise RuntimeError(f"lightning-hybrid {' '.join(args[:1])} on {nproc} processes {why}; last lines:\n"
                            + "\n".join(tail))
     run_dir = latest_version_dir(log_dir)
     scalars = read_scalars(run_dir) if run_dir is not None else {}
     return {"returncode": proc.returncode, "seconds": seconds, "log_dir": run_dir, "scalars": scalars,
-            "output": lines}
+            "output": lines, "killed": job.killed}

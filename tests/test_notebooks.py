@@ -13,7 +13,7 @@ import pytest
 
 NOTEBOOKS = Path(__file__).resolve().parents[1] / "notebooks"
 ALL = sorted(NOTEBOOKS.glob("*.ipynb"))
-OWN = ("01_quickstart", "02_parallelism_explained", "03_planning_qwen2.5_72b")
+OWN = ("01_quickstart", "02_parallelism_explained", "03_planning_qwen2.5_72b", "04_fault_tolerance")
 
 
 def test_the_walkthrough_notebooks_exist_with_their_sources_and_committed_outputs():
