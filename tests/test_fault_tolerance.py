@@ -182,6 +182,9 @@ def test_resume_uses_the_older_checkpoint_when_the_newest_is_damaged(baseline, t
     assert _same(_final(tmp_path)["final"], _final(baseline)["final"])
     # The damaged step 6 was moved aside, so the resumed run saved step 6 anew (not skipped as "already saved").
     assert "moved the damaged checkpoint aside to" in result.stderr + result.stdout
+    # every rank checked a slice of the chosen checkpoint's files (not rank 0 alone)
+    assert "verified step-000004: " in result.stderr + result.stdout
+    assert "size and CRC-32 checked by 4 rank(s)" in result.stderr + result.stdout
     assert (ckpt / "step-000006.damaged" / "__0_0.distcp").read_bytes() == b"x"
     assert verify_checkpoint(ckpt / "step-000006")["step"] == 6
     assert (ckpt / "latest").read_text().strip() == "step-000008"

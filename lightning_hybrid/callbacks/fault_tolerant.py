@@ -15,8 +15,8 @@ import torch
 import lightning.pytorch as pl
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 
-from lightning_hybrid.checkpoint.manifest import (CheckpointError, committed_checkpoints, find_resumable, fsync_dir,
-                                                  purge_old, set_aside_newer, step_dirname, update_latest)
+from lightning_hybrid.checkpoint.manifest import (CheckpointError, committed_checkpoints, fsync_dir, purge_old,
+                                                  set_aside_newer, step_dirname, update_latest)
 
 __all__ = ["FaultTolerantCheckpoint", "Preempted", "EXIT_CODE_PREEMPTED", "suggest_interval"]
 
@@ -126,22 +126,23 @@ class FaultTolerantCheckpoint(pl.Callback):
                 shutil.rmtree(stale, ignore_errors=True)
         if trainer.ckpt_path is not None or not self.auto_resume:
             return
-        found = None
+        existing = strategy.broadcast([c.path.name for c in committed_checkpoints(self.dirpath)]
+                                      if trainer.is_global_zero else None)
+        found = self._newest_valid(trainer, [self.dirpath / name for name in existing])
         if trainer.is_global_zero:
-            existing = committed_checkpoints(self.dirpath)
-            found = find_resumable(self.dirpath, log=rank_zero_warn, checksums=self.verify_checksums)
             if found is None and existing:
                 message = (f"no valid checkpoint in {self.dirpath} (all are damaged)"
                            + ("; starting from scratch" if self.allow_fresh_start else
                               "; pass allow_fresh_start=True to start from scratch or repair the folder"))
-                found = "" if self.allow_fresh_start else f"error:{message}"
                 rank_zero_warn(message)
-            if existing and existing[0].path != found and not str(found).startswith("error:"):
+                if not self.allow_fresh_start:
+                    found = f"error:{message}"
+            if existing and not str(found).startswith("error:") and (found is None or found.name != existing[0]):
                 # The damaged ones are moved aside (kept, never tried again; their steps can be saved anew).
-                chosen = next((c.step for c in existing if c.path == found), -1)
+                chosen = int(found.name[len("step-"):]) if found is not None else -1
                 for moved in set_aside_newer(self.dirpath, chosen):
                     rank_zero_warn(f"moved the damaged checkpoint aside to {moved}")
-                if found:
+                if found is not None:
                     update_latest(self.dirpath, found)
         found = strategy.broadcast(str(found) if found else "")
         if found.startswith("error:"):
@@ -153,6 +154,41 @@ class FaultTolerantCheckpoint(pl.Callback):
             # so it pre-loads the checkpoint into the connector the same way `fit(ckpt_path=...)` would.
             trainer._checkpoint_connector.resume_start(found)
             self.last_saved_step = int(trainer._checkpoint_connector._loaded_checkpoint.get("global_step", 0))
+
+    def _newest_valid(self, trainer: "pl.Trainer", candidates: list[Path]) -> Optional[Path]:
+        """The first of ``candidates`` (newest first) whose files all match the manifest, checked by all ranks.
+
+        Every rank checks a slice of the files (sizes and CRC-32s), so a 1 TB checkpoint of a 72B model is read
+        once by the whole job in parallel, not by rank 0 alone; the verdicts are gathered on the checkpoint group.
+        Damaged candidates are reported in one line and skipped, the same on every rank.
+        """
+        import torch.distributed as dist
+
+        from lightning_hybrid.checkpoint.manifest import read_manifest, verify_checkpoint
+
+        world, rank = trainer.world_size, trainer.global_rank
+        for folder in candidates:
+            start, error = time.perf_counter(), ""
+            try:
+                names = sorted(read_manifest(folder).get("files", {}))
+                verify_checkpoint(folder, files=names[rank::world], checksums=self.verify_checksums)
+                checked = sum((folder / name).stat().st_size for name in names[rank::world])
+            except (CheckpointError, OSError) as err:
+                error, checked = str(err), 0
+            verdicts: list = [(error, checked)]
+            if dist.is_initialized() and world > 1:
+                verdicts = [None] * world
+                dist.all_gather_object(verdicts, (error, checked), group=trainer.strategy.checkpoint_group)
+            errors = [e for e, _ in verdicts if e]
+            if not errors:
+                total = sum(b for _, b in verdicts)
+                size = f"{total / 1e9:.2f} GB" if total >= 1e8 else f"{total / 1e6:.2f} MB"
+                rank_zero_info(f"verified {folder.name}: {len(names)} files, {size} "
+                               f"{'size and CRC-32' if self.verify_checksums else 'size'} checked by {world} "
+                               f"rank(s) in {time.perf_counter() - start:.1f} s")
+                return folder
+            rank_zero_warn(f"skipping damaged checkpoint: {errors[0]}")
+        return None
 
     # ------------------------------------------------------------------ signals
 

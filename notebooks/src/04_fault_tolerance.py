@@ -79,7 +79,7 @@ data:
     max_bytes: 1000000           # 1 MB of the standard library's source is plenty here
 """)
 COMMAND = ["fit", "--config", str(REPO / "recipes" / "tiny-cpu.yaml"), "--config", str(OVERRIDES)]
-SHOW = ("auto-resuming", "saved checkpoint", "skipping damaged", "moved", "killed", "Error", "exitcode")
+SHOW = ("auto-resuming", "verified", "saved checkpoint", "skipping damaged", "moved", "killed", "Error", "exitcode")
 print(" ".join(["lightning-hybrid", *COMMAND]))
 
 # %% [markdown]
