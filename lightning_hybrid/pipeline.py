@@ -219,17 +219,26 @@ def build_stages(model: nn.Module, spec: ParallelSpec, plans: list[StagePlan],
 
 
 class StageTimer:
-    """Busy time of this rank's stages: wall time inside their forward/backward compute calls."""
+    """Busy time of this rank's stages: time inside their forward/backward compute calls, and the step time.
 
-    def __init__(self, sync: Callable[[], None]) -> None:
-        self.busy = 0.0
-        self.step_time = 0.0
+    On CPU the wall clock around each call. On CUDA a pair of timing events per call on the current stream, read
+    back once they have completed (never a ``synchronize``: that would serialise the pipeline's sends and
+    receives with compute and cost the throughput it measures); :attr:`busy`, :attr:`step_time` and
+    :attr:`idle_fraction` wait for the events still in flight when they are read.
+    """
+
+    def __init__(self, device: Optional[torch.device] = None) -> None:
+        self._cuda = device is not None and device.type == "cuda"
+        self._busy = 0.0
+        self._step_time = 0.0
         self.steps = 0
-        self._sync = sync
+        self._pending: list[tuple[str, Any, Any]] = []  # ("busy" | "step", start event, end event), CUDA only
+        self._step_start: Any = None
 
     def reset(self) -> None:
         """Forget what was measured so far (call after warm-up steps)."""
-        self.busy = self.step_time = 0.0
+        self._drain(wait=True)
+        self._busy = self._step_time = 0.0
         self.steps = 0
 
     def wrap(self, stage: Any) -> None:
@@ -240,21 +249,70 @@ class StageTimer:
             if inner is not None:
                 setattr(stage, name, self._timed(inner))
 
+    def _mark(self) -> Any:
+        if not self._cuda:
+            return time.perf_counter()
+        event = torch.cuda.Event(enable_timing=True)
+        event.record()
+        return event
+
+    def _add(self, kind: str, start: Any, end: Any) -> None:
+        if self._cuda:
+            self._pending.append((kind, start, end))
+            self._drain(wait=False)
+        elif kind == "busy":
+            self._busy += end - start
+        else:
+            self._step_time += end - start
+
+    def _drain(self, wait: bool) -> None:
+        """Add up the CUDA event pairs that have completed (all of them when ``wait``), oldest first."""
+        while self._pending:
+            kind, start, end = self._pending[0]
+            if wait:
+                end.synchronize()
+            elif not end.query():
+                return
+            seconds = start.elapsed_time(end) / 1e3
+            if kind == "busy":
+                self._busy += seconds
+            else:
+                self._step_time += seconds
+            self._pending.pop(0)
+
     def _timed(self, fn: Callable) -> Callable:
         def timed(*args: Any, **kwargs: Any) -> Any:
-            self._sync()
-            start = time.perf_counter()
+            start = self._mark()
             try:
                 return fn(*args, **kwargs)
             finally:
-                self._sync()
-                self.busy += time.perf_counter() - start
+                self._add("busy", start, self._mark())
 
         return timed
 
+    def start_step(self) -> None:
+        self._step_start = self._mark()
+
+    def end_step(self) -> None:
+        self._add("step", self._step_start, self._mark())
+        self.steps += 1
+
+    @property
+    def busy(self) -> float:
+        """Seconds this rank's stages computed."""
+        self._drain(wait=True)
+        return self._busy
+
+    @property
+    def step_time(self) -> float:
+        """Seconds of the training steps measured."""
+        self._drain(wait=True)
+        return self._step_time
+
     @property
     def idle_fraction(self) -> Optional[float]:
-        return None if self.step_time <= 0 else max(0.0, 1.0 - self.busy / self.step_time)
+        step_time = self.step_time
+        return None if step_time <= 0 else max(0.0, 1.0 - self.busy / step_time)
 
 
 class PipelineRunner:
@@ -372,11 +430,10 @@ class PipelineRunner:
         losses: list[Tensor] = []
         args = (input_ids,) if self.is_first else ()
         kwargs = {"target": labels, "losses": losses} if self.is_last else {}
-        start = time.perf_counter()
         if train:
+            self.timer.start_step()
             self.schedule.step(*args, **kwargs)
-            self.timer.step_time += time.perf_counter() - start
-            self.timer.steps += 1
+            self.timer.end_step()
         else:
             # Lightning evaluates under inference_mode; stage buffers created there could not be used by a
             # later training step, so run forward-only under no_grad instead.

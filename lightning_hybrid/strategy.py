@@ -359,7 +359,7 @@ class HybridParallelStrategy(ModelParallelStrategy):
         pp_group = mesh["pp"].get_group()
         stages = [PipelineStage(m, stage_index=i, num_stages=num_stages, device=self.root_device, group=pp_group)
                   for m, i in zip(modules, stage_ids)]
-        timer = StageTimer(sync=torch.cuda.synchronize if self.root_device.type == "cuda" else lambda: None)
+        timer = StageTimer(self.root_device)
         for stage in stages:
             timer.wrap(stage)
         schedule_cls = get_schedule_class(PP_SCHEDULES[self.pp_schedule])

@@ -69,6 +69,14 @@ def test_loss_and_weights_match_single_process_with_pp2(schedule_runs, reference
     _check(schedule_runs[schedule], reference_run)
 
 
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b", "interleaved_1f1b"])
+def test_bubble_report_measures_every_stage(schedule_runs, schedule):
+    report = schedule_runs[schedule]["bubble"]
+    assert 0.0 < report["theoretical"] < 1.0
+    assert sorted(report["measured"]) == [0, 1]
+    assert all(0.0 <= idle < 1.0 for idle in report["measured"].values()), report
+
+
 @pytest.mark.parametrize("schedule", SCHEDULES)
 def test_validation_loss_through_the_pipeline_equals_single_process(schedule_runs, reference_run, schedule):
     assert abs(schedule_runs[schedule]["val_loss"] - reference_run["val_loss"]) / reference_run["val_loss"] < TOL

@@ -134,3 +134,74 @@ def test_split_point_that_does_not_exist_fails_in_validation_before_processes_st
     strategy.num_nodes = 1
     with pytest.raises(ValueError, match=r"split point 'layers.7' does not exist"):
         strategy._validate()
+
+
+class _FakeStage:
+    def forward_one_chunk(self, seconds):
+        import time
+
+        time.sleep(seconds)
+        return seconds
+
+
+def test_stage_timer_sums_compute_time_against_the_step_on_cpu():
+    import time
+
+    from lightning_hybrid.pipeline import StageTimer
+
+    timer, stage = StageTimer(torch.device("cpu")), _FakeStage()
+    timer.wrap(stage)
+    timer.start_step()
+    assert stage.forward_one_chunk(0.02) == 0.02
+    time.sleep(0.06)  # waiting for a neighbour stage: idle
+    stage.forward_one_chunk(0.02)
+    timer.end_step()
+    assert timer.steps == 1
+    assert 0.04 <= timer.busy < 0.06
+    assert 0.5 < timer.idle_fraction < 0.7
+    timer.reset()
+    assert (timer.busy, timer.step_time, timer.steps, timer.idle_fraction) == (0.0, 0.0, 0, None)
+
+
+def test_stage_timer_on_cuda_uses_events_and_never_synchronizes(monkeypatch):
+    """A device-wide synchronize per micro-batch would serialise the pipeline's p2p with compute on a GPU."""
+    from lightning_hybrid.pipeline import StageTimer
+
+    clock = iter(range(1000))
+    recorded: list["Event"] = []
+
+    class Event:
+        def __init__(self, enable_timing=False):
+            assert enable_timing
+            self.at, self.done, self.waited = None, False, False
+
+        def record(self):
+            self.at = next(clock) * 10.0  # milliseconds
+            recorded.append(self)
+
+        def query(self):
+            return self.done
+
+        def synchronize(self):
+            self.waited = self.done = True
+
+        def elapsed_time(self, end):
+            return end.at - self.at
+
+    def no_sync(*args, **kwargs):
+        raise AssertionError("StageTimer called torch.cuda.synchronize")
+
+    monkeypatch.setattr(torch.cuda, "Event", Event)
+    monkeypatch.setattr(torch.cuda, "synchronize", no_sync)
+    timer, stage = StageTimer(torch.device("cuda", 0)), _FakeStage()
+    timer.wrap(stage)
+    timer.start_step()                 # event at 0 ms
+    stage.forward_one_chunk(0.0)       # 10 .. 20 ms
+    recorded[0].done = recorded[1].done = recorded[2].done = True
+    stage.forward_one_chunk(0.0)       # 30 .. 40 ms; the first pair is read back without waiting
+    assert timer._busy == pytest.approx(0.010) and len(timer._pending) == 1
+    timer.end_step()                   # 50 ms
+    assert not any(e.waited for e in recorded)
+    assert timer.busy == pytest.approx(0.020)           # reading waits for the events in flight
+    assert timer.step_time == pytest.approx(0.050)
+    assert timer.idle_fraction == pytest.approx(0.6)
