@@ -8,7 +8,7 @@ per optimizer step (not per accumulation micro-step).
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Iterable, Optional
+from typing import TYPE_CHECKING, Any, Iterable, Optional
 
 import torch
 from torch import Tensor, nn
@@ -31,8 +31,13 @@ def apply_fsdp(model: nn.Module, blocks: nn.ModuleDict, dp_mesh: "DeviceMesh", r
         model: the model or pipeline stage; its remaining parameters (embedding, norm, head) form the root unit.
         blocks: the blocks, each its own unit so only one block's full weights exist at a time.
         dp_mesh: the 1-D data-parallel mesh.
-        reshard_after_forward: free gathered weights after forward (re-gather in backward). Zero-bubble
-            pipeline schedules need ``False``: their separate weight-gradient pass reads the gathered weights.
+        reshard_after_forward: free a block's gathered weights after forward (re-gather in backward).
+            Zero-bubble pipeline schedules need ``False``: their separate weight-gradient pass reads the
+            gathered weights. The root unit keeps its weights gathered from forward to backward: backward
+            starts with the head, so re-gathering it (the largest unit: embedding and head) would only cost an
+            all-gather per step. A forward without gradients (validation, test, predict) has no backward to
+            wait for and reshards it at once, so the sharded parameters are registered again (what the
+            optimizer and checkpoints see) and the gathered copy is freed.
         param_dtype: compute dtype of the gathered weights (mixed precision), ``None`` keeps the storage dtype.
         reduce_dtype: dtype of the gradient reduce-scatter, ``None`` uses ``param_dtype``.
     """
@@ -41,7 +46,13 @@ def apply_fsdp(model: nn.Module, blocks: nn.ModuleDict, dp_mesh: "DeviceMesh", r
     policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
     for block in blocks.values():
         fully_shard(block, mesh=dp_mesh, reshard_after_forward=reshard_after_forward, mp_policy=policy)
-    fully_shard(model, mesh=dp_mesh, reshard_after_forward=reshard_after_forward, mp_policy=policy)
+    fully_shard(model, mesh=dp_mesh, reshard_after_forward=False, mp_policy=policy)
+    model.register_forward_hook(_reshard_without_backward)  # runs after FSDP's own post-forward hook
+
+
+def _reshard_without_backward(module: nn.Module, args: Any, output: Any) -> None:
+    if not torch.is_grad_enabled():
+        module.reshard()
 
 
 def _local(grad: Tensor) -> Tensor:

@@ -120,7 +120,7 @@ def run(config: dict, out: Path) -> None:
     final = full_weights(module.model)
     record = {"losses": losses.losses, "val_loss": float(trainer.callback_metrics["val_loss"])
               if "val_loss" in trainer.callback_metrics else None, "initial": weights.initial, "final": final,
-              "optimizer": optimizer_state(module), "switches": applied_switches(module.model),
+              "optimizer": optimizer_state(module), "switches": applied_switches(module.model, getattr(trainer.strategy, "pipeline", None)),
               "bubble": getattr(trainer.strategy, "bubble_report", None)}
     if evaluate:
         record.update(evaluate_after_fit(trainer, module, val))
@@ -129,28 +129,42 @@ def run(config: dict, out: Path) -> None:
     dist.barrier()
 
 
-def applied_switches(model: torch.nn.Module) -> dict:
-    """What the strategy applied, over all ranks: recomputed and compiled modules, FSDP2 dtypes, weight dtypes."""
+def applied_switches(model: torch.nn.Module, pipeline=None) -> dict:
+    """What the strategy applied, over all ranks: recomputed and compiled modules, FSDP2 dtypes, weight dtypes,
+    for every FSDP2 unit (by global name) whether it reshards its weights after forward, and the units still
+    gathered at the end (after the last evaluation). A pipeline's stage modules (the FSDP2 roots there) are
+    named ``stage<i>``."""
     from lightning_hybrid.initialization import canonical_name
     from lightning_hybrid.recompute import recomputed
 
-    local = {"recomputed": {}, "compiled": [], "mp_policy": [], "param_dtypes": []}
-    for name, sub in model.named_modules():
+    local = {"recomputed": {}, "compiled": [], "mp_policy": [], "param_dtypes": [], "reshard_after_forward": {},
+             "gathered": []}
+    stage_roots = [(f"stage{s.stage_index}", s.submod) for s in pipeline.stages] if pipeline is not None else []
+    for name, sub in list(model.named_modules()) + stage_roots:
         if recomputed(sub):
             local["recomputed"][canonical_name(name)] = recomputed(sub)
         if getattr(sub, "_compiled_call_impl", None) is not None:
             local["compiled"].append(canonical_name(name))
         state = getattr(sub, "_get_fsdp_state", None)
+        if callable(state):
+            groups = getattr(state(), "_fsdp_param_groups", None) or [state()._fsdp_param_group]
+            groups = [g for g in groups if g is not None]
+            if groups:
+                local["reshard_after_forward"][canonical_name(name)] = groups[0].post_forward_mesh_info is not None
+                if not groups[0].is_sharded:
+                    local["gathered"].append(canonical_name(name))
         if callable(state) and name.count(".") == 0:
             policy = state()._mp_policy
             local["mp_policy"].append((str(policy.param_dtype), str(policy.reduce_dtype)))
     local["param_dtypes"] = sorted({str(p.dtype) for p in model.parameters()})
     gathered: list = [None] * dist.get_world_size()
     dist.all_gather_object(gathered, local)
-    merged = {"recomputed": {}, "compiled": set(), "mp_policy": set(), "param_dtypes": set()}
+    merged = {"recomputed": {}, "compiled": set(), "mp_policy": set(), "param_dtypes": set(),
+              "reshard_after_forward": {}, "gathered": set()}
     for part in gathered:
         merged["recomputed"].update(part["recomputed"])
-        for key in ("compiled", "mp_policy", "param_dtypes"):
+        merged["reshard_after_forward"].update(part["reshard_after_forward"])
+        for key in ("compiled", "mp_policy", "param_dtypes", "gathered"):
             merged[key].update(part[key])
     return merged
 

@@ -181,3 +181,16 @@ def test_bf16_trains_within_bf16_tolerance_of_fp32(request, reference_run, name,
     # AdamW normalizes every update, so per-weight noise does not shrink with bf16 error; the direction
     # of the whole 4-step update is what must agree.
     assert _update_cosine(record, reference_run) > 0.98
+
+
+@pytest.mark.parametrize("name", ["dp2_fsdp", "dp2_fsdp_full_recompute_compile"])
+def test_fsdp_blocks_reshard_after_forward_and_the_root_unit_stays_gathered(two_process_runs, name):
+    """Re-gathering the root unit (embedding and head) in backward would cost a whole extra all-gather per step.
+
+    The run ends with a validation (forward only): the root must be sharded again afterwards, or the registered
+    parameters would not be the optimizer's and a checkpoint would see gathered tensors.
+    """
+    switches = two_process_runs[name]["switches"]
+    units = switches["reshard_after_forward"]
+    assert units == {"": False, **{f"layers.{i}": True for i in range(4)}}, units
+    assert switches["gathered"] == set()
