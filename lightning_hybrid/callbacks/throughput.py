@@ -247,7 +247,8 @@ class ThroughputMonitor(pl.Callback):
     logs ``throughput/{tokens_per_sec, tokens_per_sec_per_device, tflops_per_device, mfu, step_time,
     data_wait}``, the same with ``_avg`` over the last ``window`` steps (through Lightning's
     :class:`~lightning.fabric.utilities.throughput.Throughput`, once the window is full) and
-    ``memory/{peak_allocated_gib (CUDA), peak_rss_gib, params_gib, grads_gib, optimizer_gib}``, to every
+    ``memory/{peak_allocated_gib (CUDA), peak_rss_gib, params_gib, grads_gib, optimizer_gib}`` (local shards;
+    gradients counted at the optimizer step, since a pipeline drops them right after it), to every
     logger of the Trainer from rank 0; ``tok/s`` and ``mfu`` go to the progress bar. Tokens per step
     are the global batch: ``input_ids.numel()`` times the data-parallel size (tensor and pipeline peers
     see the same tokens). Step time runs from the train-batch-start hook to the batch-end hook (CUDA
@@ -293,6 +294,7 @@ class ThroughputMonitor(pl.Callback):
         self.last_metrics: dict[str, float] = {}
         self.summary = ""
         self._sync = False
+        self._grad_bytes: Optional[int] = None
 
     # ------------------------------------------------------------------ setup
 
@@ -356,6 +358,11 @@ class ThroughputMonitor(pl.Callback):
         if self._flops_fn is not None:
             p["flops"] += self._flops_fn(seq_len) * tokens * self._dp / self._world
         self._batch_start = now
+
+    def on_before_optimizer_step(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule",
+                                 optimizer: torch.optim.Optimizer) -> None:
+        # Gradients are counted where they all exist: a pipeline drops them right after the optimizer step.
+        self._grad_bytes = training_state_bytes(pl_module)["grads"]
 
     def on_train_batch_end(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", outputs: Any, batch: Any,
                            batch_idx: int) -> None:
@@ -427,6 +434,8 @@ class ThroughputMonitor(pl.Callback):
 
     def _memory(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> dict[str, float]:
         state = training_state_bytes(pl_module, trainer.optimizers)
+        if self._grad_bytes is not None:
+            state["grads"] = self._grad_bytes  # at the optimizer step
         memory = {f"memory/{k}_gib": v / GIB for k, v in state.items()}
         memory["memory/peak_rss_gib"] = peak_rss_bytes() / GIB
         if pl_module.device.type == "cuda":
