@@ -193,6 +193,7 @@ def main() -> None:
     out = Path(sys.argv[2])
     for config in configs:
         run(dict(config), out)
+    dist.destroy_process_group()  # after run()'s final barrier: no rank exits while its gloo peers still talk
 
 
 if __name__ == "__main__":

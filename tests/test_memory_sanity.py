@@ -91,6 +91,9 @@ def _worker(out: Path, tp: int, pp: int, dp: int) -> None:
     dist.all_gather_object(records, counts.record)
     if trainer.global_rank == 0:
         (out / "counts.json").write_text(json.dumps(records))
+    # Leave together: a rank whose gloo peers are already gone can abort at exit ("terminate called ...").
+    dist.barrier()
+    dist.destroy_process_group()
 
 
 @pytest.fixture(scope="module", params=sorted(MESHES))
@@ -149,6 +152,9 @@ def test_monitor_byte_counts_agree_with_the_local_shards(rank_counts):
         assert record["monitor"]["memory/params_gib"] * gib == pytest.approx(4 * record["params"])
         assert record["monitor"]["memory/grads_gib"] * gib == pytest.approx(4 * record["grads"])
         assert record["grads"] == record["params"]
+    # the fullest device, the same number on every rank
+    peaks = [record["monitor"]["memory/peak_rss_gib"] for record in records]
+    assert {record["monitor"]["memory/peak_max_gib"] for record in records} == {max(peaks)}
 
 
 if __name__ == "__main__":

@@ -172,7 +172,7 @@ def test_throughput_metrics_reach_tensorboard_and_a_summary_line_is_printed(tmp_
     for tag in ("throughput/tokens_per_sec", "throughput/tokens_per_sec_per_device", "throughput/tflops_per_device",
                 "throughput/mfu", "throughput/step_time", "throughput/data_wait", "throughput/tokens_per_sec_avg",
                 "throughput/mfu_avg", "throughput/tflops_per_device_avg", "memory/params_gib", "memory/grads_gib",
-                "memory/optimizer_gib", "memory/peak_rss_gib"):
+                "memory/optimizer_gib", "memory/peak_rss_gib", "memory/peak_max_gib"):
         assert tag in tags, (tag, sorted(tags))
         values = [e.value for e in events.Scalars(tag)]
         assert values and all(v > 0 for v in values), (tag, values)

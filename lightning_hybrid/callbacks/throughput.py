@@ -203,6 +203,17 @@ def training_state_bytes(module: torch.nn.Module, optimizers: Iterable[torch.opt
     return {"params": params, "grads": grads, "optimizer": states}
 
 
+def _max_over_ranks(value: float, device: torch.device) -> float:
+    """The largest ``value`` over all ranks (one scalar all-reduce); ``value`` itself without a process group."""
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return value
+    tensor = torch.tensor([value], dtype=torch.float64, device=device)
+    dist.all_reduce(tensor, op=dist.ReduceOp.MAX)
+    return float(tensor.item())
+
+
 def peak_rss_bytes() -> int:
     """Peak resident set size of this process (0 where the platform does not report it)."""
     try:
@@ -247,8 +258,9 @@ class ThroughputMonitor(pl.Callback):
     logs ``throughput/{tokens_per_sec, tokens_per_sec_per_device, tflops_per_device, mfu, step_time,
     data_wait}``, the same with ``_avg`` over the last ``window`` steps (through Lightning's
     :class:`~lightning.fabric.utilities.throughput.Throughput`, once the window is full) and
-    ``memory/{peak_allocated_gib (CUDA), peak_rss_gib, params_gib, grads_gib, optimizer_gib}`` (local shards;
-    gradients counted at the optimizer step, since a pipeline drops them right after it), to every
+    ``memory/{peak_allocated_gib (CUDA), peak_rss_gib, params_gib, grads_gib, optimizer_gib}`` (rank 0's
+    device; local shards; gradients counted at the optimizer step, since a pipeline drops them right after
+    it) and ``memory/peak_max_gib`` (the peak of the fullest device, one scalar all-reduce), to every
     logger of the Trainer from rank 0; ``tok/s`` and ``mfu`` go to the progress bar. Tokens per step
     are the global batch: ``input_ids.numel()`` times the data-parallel size (tensor and pipeline peers
     see the same tokens). Step time runs from the train-batch-start hook to the batch-end hook (CUDA
@@ -440,6 +452,9 @@ class ThroughputMonitor(pl.Callback):
         memory["memory/peak_rss_gib"] = peak_rss_bytes() / GIB
         if pl_module.device.type == "cuda":
             memory["memory/peak_allocated_gib"] = torch.cuda.max_memory_allocated(pl_module.device) / GIB
+        # The fullest device decides whether a layout fits (under a pipeline it need not be rank 0's).
+        peak = memory.get("memory/peak_allocated_gib", memory["memory/peak_rss_gib"])
+        memory["memory/peak_max_gib"] = _max_over_ranks(peak, pl_module.device)
         return memory
 
     def _report_stragglers(self, trainer: "pl.Trainer", step: int, found: list) -> None:
@@ -480,8 +495,7 @@ class ThroughputMonitor(pl.Callback):
             parts.append(f"MFU {m['mfu']:.1%} of {self._peak / 1e12:.3g} TFLOP/s ({self._peak_source})")
         parts.append(f"step {m['step_time']:.3g} s, data wait {m['data_wait']:.3g} s")
         memory = self._memory(trainer, pl_module)
-        peak = memory.get("memory/peak_allocated_gib", memory["memory/peak_rss_gib"])
-        parts.append(f"peak memory {peak:.2f} GiB/device")
+        parts.append(f"peak memory {memory['memory/peak_max_gib']:.2f} GiB/device (fullest rank)")
         self.summary = ", ".join(parts)
         if trainer.is_global_zero:
             print(self.summary, flush=True)
