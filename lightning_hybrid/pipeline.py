@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import time
+from collections import deque
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable, Iterator, Optional, Sequence, Union
 
@@ -232,7 +233,7 @@ class StageTimer:
         self._busy = 0.0
         self._step_time = 0.0
         self.steps = 0
-        self._pending: list[tuple[str, Any, Any]] = []  # ("busy" | "step", start event, end event), CUDA only
+        self._pending: deque[tuple[str, Any, Any]] = deque()  # ("busy" | "step", start, end event), CUDA only
         self._step_start: Any = None
 
     def reset(self) -> None:
@@ -260,10 +261,14 @@ class StageTimer:
         if self._cuda:
             self._pending.append((kind, start, end))
             self._drain(wait=False)
-        elif kind == "busy":
-            self._busy += end - start
         else:
-            self._step_time += end - start
+            self._accumulate(kind, end - start)
+
+    def _accumulate(self, kind: str, seconds: float) -> None:
+        if kind == "busy":
+            self._busy += seconds
+        else:
+            self._step_time += seconds
 
     def _drain(self, wait: bool) -> None:
         """Add up the CUDA event pairs that have completed (all of them when ``wait``), oldest first."""
@@ -273,12 +278,8 @@ class StageTimer:
                 end.synchronize()
             elif not end.query():
                 return
-            seconds = start.elapsed_time(end) / 1e3
-            if kind == "busy":
-                self._busy += seconds
-            else:
-                self._step_time += seconds
-            self._pending.pop(0)
+            self._pending.popleft()
+            self._accumulate(kind, start.elapsed_time(end) / 1e3)
 
     def _timed(self, fn: Callable) -> Callable:
         def timed(*args: Any, **kwargs: Any) -> Any:

@@ -374,7 +374,9 @@ class ThroughputMonitor(pl.Callback):
     def on_before_optimizer_step(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule",
                                  optimizer: torch.optim.Optimizer) -> None:
         # Gradients are counted where they all exist: a pipeline drops them right after the optimizer step.
-        self._grad_bytes = training_state_bytes(pl_module)["grads"]
+        # Only for a step that will be logged (the global step counts up after this hook).
+        if (trainer.global_step + 1) % self.log_every_n_steps == 0:
+            self._grad_bytes = training_state_bytes(pl_module)["grads"]
 
     def on_train_batch_end(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", outputs: Any, batch: Any,
                            batch_idx: int) -> None:
