@@ -1,11 +1,15 @@
-"""``HybridParallelStrategy``: tensor x pipeline x data parallel training in a Lightning Trainer."""
+"""``HybridParallelStrategy``: tensor x pipeline x data parallel training in a Lightning Trainer.
+
+Lightning's hooks only; each calls the modules that do the work: :mod:`lightning_hybrid.distributed`
+(sizes and mesh, the parallelize sequence, the pipeline, clipping), :mod:`lightning_hybrid.checkpoint`
+(sharded save and load) and :mod:`lightning_hybrid.data.sampler` (the resumable sampler).
+"""
 
 from __future__ import annotations
 
-import functools
-import os
 from datetime import timedelta
-from typing import TYPE_CHECKING, Any, Callable, Optional, Union
+from pathlib import Path
+from typing import Any, Callable, Optional, Union
 
 import torch
 from torch.optim import Optimizer
@@ -16,48 +20,24 @@ from lightning.fabric.plugins.collectives.torch_collective import default_pg_tim
 from lightning.pytorch.strategies import ModelParallelStrategy, StrategyRegistry
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.model_helpers import is_overridden
+from lightning.pytorch.utilities.rank_zero import rank_zero_info
 
-from lightning_hybrid.clipping import clip_grad_norm_global
-from lightning_hybrid.data_parallel import DATA_PARALLEL_MODES, all_reduce_gradients, apply_fsdp
-from lightning_hybrid.initialization import init_parameters
-from lightning_hybrid.mesh import ParallelDims, build_mesh
+from lightning_hybrid.checkpoint import sharded
+from lightning_hybrid.data.sampler import data_position, resumable_dataloader
+from lightning_hybrid.distributed.clip_grad import use_global_norm_clipping
+from lightning_hybrid.distributed.data_parallel import all_reduce_gradients
+from lightning_hybrid.distributed.init_weights import initialize_declared
+from lightning_hybrid.distributed.parallel_dims import ParallelDims, build_mesh, new_gloo_group
+from lightning_hybrid.distributed.parallelize import ParallelOptions, check_options, parallelize, require_meta
+from lightning_hybrid.distributed.pipeline.runner import PipelineRunner, build_pipeline
+from lightning_hybrid.distributed.pipeline.schedules import PP_SCHEDULES
+from lightning_hybrid.distributed.pipeline.timer import format_bubble_report, gather_bubble_report
 from lightning_hybrid.models.spec import ParallelSpec
-from lightning_hybrid.pipeline import (ZERO_BUBBLE, PipelineRunner, StageTimer, build_stages, plan_stages,
-                                       stage_ids_for_rank, theoretical_bubble, validate_schedule)
-from lightning_hybrid.recompute import (ACTIVATION_CHECKPOINTING, apply_activation_checkpointing, compile_blocks,
-                                        resolve_selective)
-from lightning_hybrid.tensor_parallel import apply_tensor_parallel
 
-if TYPE_CHECKING:
-    from torch.distributed.device_mesh import DeviceMesh
+__all__ = ["HybridParallelStrategy", "PP_SCHEDULES"]
 
-__all__ = ["HybridParallelStrategy", "PP_SCHEDULES", "ACTIVATION_CHECKPOINTING"]
-
-# Names accepted by `pp_schedule` (case-insensitive) -> name for torch.distributed.pipelining.get_schedule_class.
-PP_SCHEDULES = {
-    "gpipe": "GPipe",
-    "1f1b": "1F1B",
-    "interleaved_1f1b": "Interleaved1F1B",
-    "looped_bfs": "LoopedBFS",
-    "interleaved_zero_bubble": "InterleavedZeroBubble",
-    "zbv_zero_bubble": "ZBVZeroBubble",
-    "dualpipev": "DualPipeV",
-}
-DECLARED_PRECISIONS = ("32-true", "bf16-mixed", "bf16-true")
-REDUCE_DTYPES = {"fp32": torch.float32, "float32": torch.float32, "bf16": torch.bfloat16, "bfloat16": torch.bfloat16}
-
-
-def _choice(name: str, value: Any, choices: Any) -> str:
-    if not isinstance(value, str) or value.lower() not in choices:
-        raise ValueError(f"{name}={value!r} is not supported; use one of {', '.join(choices)}")
-    return value.lower()
-
-
-def _positive_int(name: str, value: Any, allow_none: bool = False) -> None:
-    if value is None and allow_none:
-        return
-    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-        raise ValueError(f"{name}={value!r} must be a positive integer" + (" or None" if allow_none else ""))
+# Collective sizes of the preflight run by `preflight=True`: small on CPU (gloo), up to 64 MiB on GPUs.
+PREFLIGHT_MAX_BYTES = {"cpu": 4 << 20, "cuda": 64 << 20}
 
 
 class HybridParallelStrategy(ModelParallelStrategy):
@@ -84,7 +64,7 @@ class HybridParallelStrategy(ModelParallelStrategy):
         pp_split_points: explicit stage boundaries: block names where a stage starts (``["layers.40"]``) or
             a list of block counts per stage; ``None`` balances by cost.
         activation_checkpointing: ``"none"``, ``"selective"`` or ``"full"`` (every block keeps only its input
-            and is re-run in backward); see :mod:`lightning_hybrid.recompute`.
+            and is re-run in backward); see :mod:`lightning_hybrid.distributed.activation_checkpoint`.
         selective_ac: what ``"selective"`` recomputes: ``"op"`` (every block; matmul, attention and collective
             outputs are kept, norms, rotary and activations recomputed), ``"attention"`` (the attention of
             every block) or an integer ``k`` (every k-th block in full).
@@ -129,25 +109,11 @@ class HybridParallelStrategy(ModelParallelStrategy):
         super().__init__(data_parallel_size="auto", tensor_parallel_size="auto",
                          save_distributed_checkpoint=save_distributed_checkpoint,
                          process_group_backend=process_group_backend, timeout=timeout)
-        _positive_int("tp", tp)
-        _positive_int("pp", pp)
-        _positive_int("dp", dp, allow_none=True)
-        _positive_int("virtual_stages", virtual_stages)
-        _positive_int("microbatches", microbatches, allow_none=True)
-        self.tp, self.pp, self.dp = tp, pp, dp
-        self.data_parallel = _choice("data_parallel", data_parallel, DATA_PARALLEL_MODES)
-        self.sequence_parallel = bool(sequence_parallel)
-        self.pp_schedule = _choice("pp_schedule", pp_schedule, PP_SCHEDULES)
-        self.microbatches = microbatches
-        self.virtual_stages = virtual_stages
-        self.pp_split_points = pp_split_points
-        self.activation_checkpointing = _choice("activation_checkpointing", activation_checkpointing,
-                                                ACTIVATION_CHECKPOINTING)
-        self.selective_ac = resolve_selective(selective_ac)
-        self.compile = bool(compile)
-        if reduce_dtype is not None:
-            _choice("reduce_dtype", reduce_dtype, REDUCE_DTYPES)
-        self.reduce_dtype = reduce_dtype
+        self.options = ParallelOptions(
+            tp=tp, pp=pp, dp=dp, data_parallel=data_parallel, sequence_parallel=sequence_parallel,
+            pp_schedule=pp_schedule, microbatches=microbatches, virtual_stages=virtual_stages,
+            pp_split_points=pp_split_points, activation_checkpointing=activation_checkpointing,
+            selective_ac=selective_ac, compile=compile, reduce_dtype=reduce_dtype)
         self.preflight = bool(preflight)
         self._dims: Optional[ParallelDims] = None
         self._spec: Optional[ParallelSpec] = None
@@ -158,8 +124,7 @@ class HybridParallelStrategy(ModelParallelStrategy):
         self.per_rank_batch_size: Optional[int] = None
         self.resume_position: Optional[dict[str, int]] = None
         self.train_sampler: Optional[Any] = None
-
-    # ------------------------------------------------------------------ environment and mesh
+        self.bubble_report: Optional[dict[str, Any]] = None
 
     @property
     def dims(self) -> ParallelDims:
@@ -168,65 +133,32 @@ class HybridParallelStrategy(ModelParallelStrategy):
             raise RuntimeError("the parallel sizes are resolved in setup_environment(); the Trainer calls it")
         return self._dims
 
-    @property
-    def materializes_declared_model(self) -> bool:
-        """True: a declared model may be built on the meta device; this strategy shards and initializes it."""
-        return True
+    def declared_model_runner(self) -> Optional[PipelineRunner]:
+        """What a declared model's LightningModule asks its strategy: the pipeline runner, or ``None`` (pp=1).
+
+        Its presence also tells the module that this strategy shards and materializes a meta-device model.
+        """
+        return self.pipeline
 
     @property
     @override
     def distributed_sampler_kwargs(self) -> dict[str, Any]:
         # TP and PP peers see the same samples; only the dp coordinate selects a slice.
-        coords = self.dims.coordinates(self.global_rank)
-        return {"num_replicas": self.dims.dp, "rank": coords["dp"]}
+        return {"num_replicas": self.dims.dp, "rank": self.dims.coordinates(self.global_rank)["dp"]}
 
-    def _declared_spec(self) -> Optional[ParallelSpec]:
-        module = self.lightning_module
-        spec_fn = getattr(module, "parallel_spec", None)
-        return spec_fn() if callable(spec_fn) else None
+    @property
+    def _precision(self) -> str:
+        return str(getattr(self.precision_plugin, "precision", "32-true"))
 
     def _validate(self) -> None:
         """All size checks that need no collective; identical on every rank, so every rank raises alike."""
-        world_size = self.num_nodes * self.num_processes
-        self._dims = ParallelDims.resolve(self.tp, self.pp, self.dp, world_size,
-                                          devices_per_node=self.num_processes if self.num_nodes > 1 else None)
-        self._spec = self._declared_spec()
-        if self._spec is not None and self._precision not in DECLARED_PRECISIONS:
-            raise ValueError(f"precision={self._precision!r} is not supported for a declared model; "
-                             f"use one of {DECLARED_PRECISIONS}")
-        if self._spec is None and (self.activation_checkpointing != "none" or self.compile):
-            raise ValueError(f"activation_checkpointing={self.activation_checkpointing!r}/compile={self.compile} "
-                             f"need a LightningModule that declares its blocks (parallel_spec()); a module that "
-                             f"parallelizes itself applies them in its own configure_model")
-        if self.compile and self._dims.tp > 1 and (self.sequence_parallel or self.activation_checkpointing != "none"):
-            raise ValueError(
-                f"compile=True with tp={self._dims.tp} and sequence_parallel={self.sequence_parallel}, "
-                f"activation_checkpointing={self.activation_checkpointing!r} trains with wrong gradients on torch "
-                f"{torch.__version__} (measured in lightning-hybrid's equivalence tests); with tp>1 use compile=True "
-                f"only without sequence_parallel and recompute, or compile=False"
-            )
-        if self._spec is not None:
-            num_blocks = self.lightning_module.num_blocks()
-            self._dims.check_model(self._spec.tp_divisible, num_blocks, self.virtual_stages)
-        elif self.pp > 1:
-            raise ValueError(
-                f"pp={self.pp} needs a LightningModule that declares its model parts and loss "
-                f"(parallel_spec(), num_blocks() and a `model` with loss_sum(); see lightning_hybrid.models.CausalLM); "
-                f"{type(self.lightning_module).__name__} does not"
-            )
-        if self.pp > 1:
-            validate_schedule(self.pp_schedule, self.pp, self.virtual_stages, self.num_microbatches)
-            plan_stages(self._spec, self.lightning_module.num_blocks(), self.pp * self.virtual_stages,
-                        self.pp_split_points)  # raises on split points that do not exist
-        elif self.virtual_stages != 1:
-            raise ValueError(f"virtual_stages={self.virtual_stages} needs pp>1; use virtual_stages=1")
-
-    @property
-    def num_microbatches(self) -> int:
-        """Micro-batches per pipeline step: the given value, or ``2 * pp`` (``2 * pp * virtual_stages`` for V schedules)."""
-        if self.microbatches is not None:
-            return self.microbatches
-        return 2 * self.pp * (self.virtual_stages if self.pp_schedule in ("zbv_zero_bubble", "dualpipev") else 1)
+        module = self.lightning_module
+        spec_fn = getattr(module, "parallel_spec", None)
+        self._spec = spec_fn() if callable(spec_fn) else None
+        self._dims = check_options(self.options, self.num_nodes * self.num_processes,
+                                   self.num_processes if self.num_nodes > 1 else None, self._spec,
+                                   module.num_blocks() if self._spec is not None else None, self._precision,
+                                   type(module).__name__)
 
     @override
     def setup_environment(self) -> None:
@@ -237,35 +169,14 @@ class HybridParallelStrategy(ModelParallelStrategy):
         # must never queue behind (or ahead of) training collectives. The background writer (DCP's async save, in
         # another thread) gets a group of its own: two threads issuing collectives on one group can match them
         # across ranks in different orders and hang (the main thread meets on `checkpoint_group` at every step).
-        import torch.distributed as dist
-
-        self.checkpoint_group = dist.new_group(backend="gloo", timeout=self._timeout)
-        self.background_checkpoint_group = dist.new_group(backend="gloo", timeout=self._timeout)
+        self.checkpoint_group = new_gloo_group(self._timeout)
+        self.background_checkpoint_group = new_gloo_group(self._timeout)
         if self.preflight:
-            self._run_preflight()
+            from lightning_hybrid.preflight.links import run_preflight_or_raise
+
+            run_preflight_or_raise(self.device_mesh, PREFLIGHT_MAX_BYTES.get(self.root_device.type, 64 << 20))
         assert self.lightning_module is not None
         self.lightning_module._device_mesh = self._device_mesh
-
-    def _run_preflight(self) -> None:
-        """Bandwidth of every mesh dimension, matmul speed and device health, on the training mesh itself.
-
-        Raises:
-            RuntimeError: on every rank, when a link or device is below threshold (the report names them).
-        """
-        from lightning.pytorch.utilities.rank_zero import rank_zero_info
-
-        from lightning_hybrid.preflight import run_preflight
-
-        report = run_preflight(self.device_mesh, max_bytes=4 << 20 if self.root_device.type == "cpu" else 64 << 20)
-        rank_zero_info(report.format_table())
-        if not report.ok:
-            raise RuntimeError("preflight failed: " + "; ".join(report.failures))
-
-    @property
-    def mesh(self) -> "DeviceMesh":
-        return self.device_mesh
-
-    # ------------------------------------------------------------------ model setup
 
     @override
     def setup(self, trainer: "pl.Trainer") -> None:
@@ -274,127 +185,37 @@ class HybridParallelStrategy(ModelParallelStrategy):
             return super().setup(trainer)
         assert self.model is not None and self.accelerator is not None
         self.accelerator.setup(trainer)
+        name = type(self.lightning_module).__name__
         if not is_overridden("configure_model", self.lightning_module):
-            raise TypeError(f"{type(self.lightning_module).__name__} declares parallel_spec() but does not build "
-                            f"its model in configure_model()")
+            raise TypeError(f"{name} declares parallel_spec() but does not build its model in configure_model()")
         model = self.lightning_module.model
         if model is None:
-            raise TypeError(f"{type(self.lightning_module).__name__}.configure_model() did not set `self.model`")
-        if model is not self._parallelized:
-            # Not yet sharded (a validate/test/predict after fit reuses the model built for fit).
-            if self.dims.pp > 1:
-                self._build_pipeline(model, self._spec, trainer)
-            else:
-                self._parallelize(model, self._spec)
+            raise TypeError(f"{name}.configure_model() did not set `self.model`")
+        if model is not self._parallelized:  # a validate/test/predict after fit reuses the model built for fit
+            require_meta(model, name)
+            self._parallelize_declared(model)
             self._parallelized = self.lightning_module.model
-        elif self.pipeline is not None:
+        if self.pipeline is not None:
             self.pipeline.grad_scale = 1.0 / max(1, trainer.accumulate_grad_batches)
         self.model_to_device()
         self.barrier()
         if trainer.state.fn == TrainerFn.FITTING:
             self.setup_optimizers(trainer)
         self.setup_precision_plugin()
-        # Lightning's clipping calls torch's clip_grad_norm_ per rank; clip by the global norm instead.
-        self.precision_plugin.clip_grad_by_norm = functools.partial(self._clip_by_global_norm)
+        use_global_norm_clipping(self.precision_plugin, self.world_size // self.dims.pp)
 
-    def _parallelize(self, model: torch.nn.Module, spec: ParallelSpec) -> None:
-        """TP, then FSDP or replication, then materialization and mesh-independent initialization."""
-        dims, mesh = self.dims, self.device_mesh
-        already_built = not any(p.is_meta for p in model.parameters())
-        if already_built:
-            raise ValueError(f"{type(self.lightning_module).__name__}.configure_model() built real weights; "
-                             f"build the declared model on the meta device so the strategy can shard it first")
-        self.precision_plugin.convert_module(model)  # bf16-true: bf16 storage (cheap on meta, before sharding)
-        if dims.tp > 1:
-            apply_tensor_parallel(model, spec, mesh["tp"], self.sequence_parallel)
-        self._recompute_and_compile(model, spec)
-        if dims.dp > 1 and self.data_parallel == "fsdp":
-            apply_fsdp(model, getattr(model, spec.blocks), mesh["dp"], param_dtype=self._param_dtype(),
-                       reduce_dtype=self._reduce_dtype())
-        model.to_empty(device=self.root_device)
+    def _parallelize_declared(self, model: torch.nn.Module) -> None:
+        """Parallelize and materialize the declared model (or this rank's pipeline stages), then initialize it."""
+        dims, args = self.dims, (self.options, self.dims, self.device_mesh)
+        rest = (self.root_device, self._precision, self.precision_plugin.convert_module)
         seed = self.broadcast(self.lightning_module.init_seed())
-        self._initialize(model, model, seed)
-
-    def _shard_stage(self, stage: torch.nn.Module, spec: ParallelSpec) -> None:
-        dims, mesh = self.dims, self.device_mesh
-        self.precision_plugin.convert_module(stage)
-        if dims.tp > 1:
-            apply_tensor_parallel(stage, spec, mesh["tp"], self.sequence_parallel)
-        self._recompute_and_compile(stage, spec)
-        if dims.dp > 1 and self.data_parallel == "fsdp":
-            # Zero-bubble schedules run the weight-gradient pass separately and need the gathered weights.
-            apply_fsdp(stage, getattr(stage, spec.blocks), mesh["dp"], param_dtype=self._param_dtype(),
-                       reduce_dtype=self._reduce_dtype(), reshard_after_forward=self.pp_schedule not in ZERO_BUBBLE)
-
-    def _recompute_and_compile(self, model: torch.nn.Module, spec: ParallelSpec) -> None:
-        blocks = getattr(model, spec.blocks, None)
-        if blocks is None or len(blocks) == 0:
-            return
-        apply_activation_checkpointing(blocks, self.activation_checkpointing, self.selective_ac,
-                                       spec.block_attention)
-        if self.compile:
-            compile_blocks(blocks, parts=spec.block_norm_consumers if self.dims.tp > 1 else None)
-
-    def _build_pipeline(self, model: torch.nn.Module, spec: ParallelSpec, trainer: "pl.Trainer") -> None:
-        """Split into stages, shard each, materialize, and build the schedule and its runner."""
-        from torch.distributed.pipelining import PipelineStage
-        from torch.distributed.pipelining.schedules import PipelineScheduleSingle, get_schedule_class
-
-        dims, mesh = self.dims, self.device_mesh
-        if not any(p.is_meta for p in model.parameters()):
-            raise ValueError(f"{type(self.lightning_module).__name__}.configure_model() built real weights; "
-                             f"build the declared model on the meta device so the strategy can split it first")
-        num_stages = dims.pp * self.virtual_stages
-        plans = plan_stages(spec, self.lightning_module.num_blocks(), num_stages, self.pp_split_points)
-        pp_rank = dims.coordinates(self.global_rank)["pp"]
-        stage_ids = stage_ids_for_rank(pp_rank, dims.pp, self.virtual_stages, self.pp_schedule)
-        container, modules = build_stages(model, spec, plans, stage_ids)
-        for module in modules:
-            self._shard_stage(module, spec)
-            module.to_empty(device=self.root_device)
-        seed = self.broadcast(self.lightning_module.init_seed())
-        self._initialize(container, model, seed)
-        self.lightning_module.model = container
-        self.stage_plans = plans
-        pp_group = mesh["pp"].get_group()
-        stages = [PipelineStage(m, stage_index=i, num_stages=num_stages, device=self.root_device, group=pp_group)
-                  for m, i in zip(modules, stage_ids)]
-        timer = StageTimer(self.root_device)
-        for stage in stages:
-            timer.wrap(stage)
-        schedule_cls = get_schedule_class(PP_SCHEDULES[self.pp_schedule])
-        last_pp_rank = 0 if self.pp_schedule in ("zbv_zero_bubble", "dualpipev") else dims.pp - 1
-        runner = PipelineRunner(None, stages, model.loss_sum, pp_group,
-                                mesh["dp"].get_group() if dims.dp > 1 else None, last_pp_rank, dims.dp,
-                                self.num_microbatches, self.pp_schedule, timer)
-        first = stages[0] if issubclass(schedule_cls, PipelineScheduleSingle) else stages
-        runner.schedule = schedule_cls(first, n_microbatches=self.num_microbatches, loss_fn=runner.loss_fn,
-                                       scale_grads=False)
-        runner.grad_scale = 1.0 / max(1, trainer.accumulate_grad_batches)
-        self.pipeline = runner
-
-    def _initialize(self, target: torch.nn.Module, declared: torch.nn.Module, seed: int) -> None:
-        """Fill the materialized shards: the LightningModule's ``initialize_parameters(model, seed)`` if it has one
-        (CausalLM loads pretrained weights there), else the mesh-independent random initialization."""
-        hook = getattr(self.lightning_module, "initialize_parameters", None)
-        if callable(hook):
-            hook(target, seed)
+        if dims.pp > 1:
+            pp_rank = dims.coordinates(self.global_rank)["pp"]
+            self.pipeline = build_pipeline(model, self._spec, *args, pp_rank, *rest, self.lightning_module.num_blocks())
+            self.lightning_module.model = self.pipeline.container
         else:
-            init_parameters(target, seed, declared.parameter_init)
-
-    @property
-    def _precision(self) -> str:
-        return str(getattr(self.precision_plugin, "precision", "32-true"))
-
-    def _param_dtype(self) -> Optional[torch.dtype]:
-        """Compute dtype of FSDP2's gathered weights: bf16 under ``bf16-mixed`` (the shards stay fp32)."""
-        return torch.bfloat16 if self._precision == "bf16-mixed" else None
-
-    def _reduce_dtype(self) -> Optional[torch.dtype]:
-        """Gradient reduction dtype over ``dp``: the given one, fp32 under bf16 precision, else the gradients'."""
-        if self.reduce_dtype is not None:
-            return REDUCE_DTYPES[_choice("reduce_dtype", self.reduce_dtype, REDUCE_DTYPES)]
-        return torch.float32 if self._precision.startswith("bf16") else None
+            parallelize(model, self._spec, *args, *rest)
+        initialize_declared(self.lightning_module, self.lightning_module.model, model, seed)
 
     @override
     def model_to_device(self) -> None:
@@ -407,14 +228,9 @@ class HybridParallelStrategy(ModelParallelStrategy):
                 if buf is not None and buf.device != self.root_device:
                     module._buffers[key] = buf.to(self.root_device)
 
-    # ------------------------------------------------------------------ training loop hooks
-
-    @property
-    def _replicated_dp(self) -> bool:
-        return self._dims is not None and self._spec is not None and self.dims.dp > 1 and self.data_parallel == "replicate"
-
     @override
-    def backward(self, closure_loss: torch.Tensor, optimizer: Optional[Optimizer], *args: Any, **kwargs: Any) -> torch.Tensor:
+    def backward(self, closure_loss: torch.Tensor, optimizer: Optional[Optimizer], *args: Any,
+                 **kwargs: Any) -> torch.Tensor:
         if self.pipeline is None:
             return super().backward(closure_loss, optimizer, *args, **kwargs)
         # The pipeline schedule already ran backward inside training_step; only fire the hooks.
@@ -425,16 +241,8 @@ class HybridParallelStrategy(ModelParallelStrategy):
     @override
     def optimizer_step(self, optimizer: Optimizer, closure: Callable[[], Any],
                        model: Optional[Union["pl.LightningModule", torch.nn.Module]] = None, **kwargs: Any) -> Any:
-        if self._replicated_dp:
-            # Average replicated gradients once per optimizer step, before clipping sees them.
-            inner = closure
-
-            def closure() -> Any:  # noqa: F811 - wraps Lightning's closure
-                result = inner()
-                all_reduce_gradients(self.lightning_module.model.parameters(),
-                                     self.device_mesh["dp"].get_group(), self.dims.dp, self._reduce_dtype())
-                return result
-
+        if self._spec is not None and self.dims.dp > 1 and self.options.data_parallel == "replicate":
+            closure = self._reducing(closure)
         result = super().optimizer_step(optimizer, closure, model, **kwargs)
         if self.pipeline is not None:
             # Gradients of the next step accumulate from zero inside the schedule (Lightning's own zero_grad
@@ -442,37 +250,24 @@ class HybridParallelStrategy(ModelParallelStrategy):
             optimizer.zero_grad(set_to_none=True)
         return result
 
+    def _reducing(self, closure: Callable[[], Any]) -> Callable[[], Any]:
+        """Lightning's closure, then the replicated gradients averaged over dp (before clipping sees them)."""
+        def reduced() -> Any:
+            result = closure()
+            all_reduce_gradients(self.lightning_module.model.parameters(), self.device_mesh["dp"].get_group(),
+                                 self.dims.dp, self.options.reduction_dtype(self._precision))
+            return result
+
+        return reduced
+
     @override
     def on_train_end(self) -> None:
         if self.pipeline is not None:
-            self._report_bubble()
-
-    def _report_bubble(self) -> None:
-        """Log, on global rank 0, each stage's measured idle fraction next to the schedule's theoretical bubble."""
-        import torch.distributed as dist
-
-        from lightning.pytorch.utilities.rank_zero import rank_zero_info
-
-        timer = self.pipeline.timer
-        mine = {"pp_rank": self.dims.coordinates(self.global_rank)["pp"], "idle": timer.idle_fraction}
-        gathered: list = [None] * self.world_size
-        dist.all_gather_object(gathered, mine)
-        per_stage: dict[int, list[float]] = {}
-        for item in gathered:
-            if item["idle"] is not None:
-                per_stage.setdefault(item["pp_rank"], []).append(item["idle"])
-        theory = theoretical_bubble(self.pp_schedule, self.dims.pp, self.num_microbatches, self.virtual_stages)
-        measured = ", ".join(f"rank {r}: {100 * sum(v) / len(v):.1f}%" for r, v in sorted(per_stage.items()))
-        self.bubble_report = {"theoretical": theory,
-                              "measured": {r: sum(v) / len(v) for r, v in per_stage.items()}}
-        rank_zero_info(f"pipeline bubble ({self.pp_schedule}, pp={self.dims.pp}, microbatches={self.num_microbatches}, "
-                       f"virtual_stages={self.virtual_stages}): measured idle {measured}; theoretical {100 * theory:.1f}%")
-
-    def _clip_by_global_norm(self, optimizer: Optimizer, clip_val: Union[int, float]) -> None:
-        params = [p for group in optimizer.param_groups for p in group["params"]]
-        clip_grad_norm_global(params, float(clip_val), self.world_size // self.dims.pp)
-
-    # ------------------------------------------------------------------ data position and checkpoints
+            pp_rank = self.dims.coordinates(self.global_rank)["pp"]
+            self.bubble_report = gather_bubble_report(self.pipeline.timer, pp_rank, self.world_size,
+                                                      self.pipeline.theoretical_bubble)
+            rank_zero_info(format_bubble_report(self.bubble_report, self.options.pp_schedule, self.dims.pp,
+                                                self.pipeline.microbatches, self.options.virtual_stages))
 
     @override
     def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
@@ -484,27 +279,12 @@ class HybridParallelStrategy(ModelParallelStrategy):
     @override
     def process_dataloader(self, dataloader: object) -> object:
         """Give a distributed DataLoader a sampler that resumes mid-epoch, on any number of DP ranks."""
-        from torch.utils.data import DataLoader, DistributedSampler
-
-        from lightning.pytorch.trainer.states import RunningStage
-        from lightning.pytorch.utilities.data import _update_dataloader
-
-        from lightning_hybrid.data.sampler import ResumableDistributedSampler
-
-        if not isinstance(dataloader, DataLoader) or type(dataloader.sampler) is not DistributedSampler:
-            return dataloader
-        old = dataloader.sampler
-        resume = self.resume_position if old.shuffle else None
-        # A resumed run keeps the permutation of the run it continues, whatever seed it was started with.
-        seed = resume.get("seed", old.seed) if resume else old.seed
-        sampler = ResumableDistributedSampler(old.dataset, num_replicas=old.num_replicas, rank=old.rank,
-                                              shuffle=old.shuffle, seed=seed, drop_last=old.drop_last)
-        if resume is not None:
-            sampler.resume_from(resume["epoch"], resume["samples_in_epoch"])
+        dataloader, sampler, resumed = resumable_dataloader(dataloader, self.resume_position)
+        if resumed:
             self.resume_position = None
-        if old.shuffle:
+        if sampler is not None:
             self.train_sampler = sampler
-        return _update_dataloader(dataloader, sampler, mode=RunningStage.TRAINING if old.shuffle else None)
+        return dataloader
 
     @override
     def lightning_module_state_dict(self) -> dict[str, Any]:
@@ -518,13 +298,20 @@ class HybridParallelStrategy(ModelParallelStrategy):
             return super().optimizer_state(optimizer)
         return {}
 
-    def begin_save(self, checkpoint: dict[str, Any], folder: Any, async_save: bool) -> Any:
-        """Start writing a sharded checkpoint of a declared model (see ``lightning_hybrid.checkpoint.sharded``)."""
-        from pathlib import Path
+    def checkpoint_context(self) -> sharded.CheckpointContext:
+        """What the checkpoint writer and loader need of this job (see :class:`~lightning_hybrid.checkpoint.sharded.CheckpointContext`)."""
+        dims, module = self.dims, self.lightning_module
+        layout = {"tp": dims.tp, "pp": dims.pp, "dp": dims.dp, "world_size": dims.world_size,
+                  "data_parallel": self.options.data_parallel, "virtual_stages": self.options.virtual_stages,
+                  "pp_schedule": self.options.pp_schedule}
+        position = data_position(module._trainer, self.per_rank_batch_size, dims.dp, self.train_sampler)
+        return sharded.CheckpointContext(module, list(self.optimizers),
+                                         self.global_rank, self.world_size, self.checkpoint_group,
+                                         self.background_checkpoint_group, layout, position)
 
-        from lightning_hybrid.checkpoint.sharded import begin_save
-
-        return begin_save(self, checkpoint, Path(folder), async_save)
+    def begin_save(self, checkpoint: dict[str, Any], folder: Any, async_save: bool) -> sharded.ShardedSave:
+        """Start writing a sharded checkpoint of a declared model (see :mod:`lightning_hybrid.checkpoint.sharded`)."""
+        return sharded.begin_save(self.checkpoint_context(), checkpoint, Path(folder), async_save)
 
     @override
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Optional[Any] = None) -> None:
@@ -532,18 +319,15 @@ class HybridParallelStrategy(ModelParallelStrategy):
             return super().save_checkpoint(checkpoint, filepath, storage_options)
         if storage_options is not None:
             raise TypeError("HybridParallelStrategy.save_checkpoint(..., storage_options=...) is not supported")
-        path = self.broadcast(str(filepath))
-        self.begin_save(checkpoint, path, async_save=False).finish()
+        self.begin_save(checkpoint, self.broadcast(str(filepath)), async_save=False).finish()
 
     @override
     def load_checkpoint(self, checkpoint_path: Any, weights_only: Optional[bool] = None) -> dict[str, Any]:
         if self._spec is None:
             return super().load_checkpoint(checkpoint_path, weights_only)
-        from pathlib import Path
-
-        from lightning_hybrid.checkpoint.sharded import load
-
-        return load(self, Path(self.broadcast(str(checkpoint_path))))
+        state = sharded.load(self.checkpoint_context(), Path(self.broadcast(str(checkpoint_path))))
+        self.resume_position = state.get("hybrid", {}).get("data_position")
+        return state
 
     @classmethod
     @override

@@ -37,7 +37,7 @@ def full_weights(module: torch.nn.Module) -> dict[str, torch.Tensor]:
     """Every parameter of the whole model, gathered from TP/FSDP shards and pipeline stages, on every rank."""
     from torch.distributed.tensor import DTensor
 
-    from lightning_hybrid.initialization import canonical_name
+    from lightning_hybrid.distributed.init_weights import canonical_name
 
     local = {}
     for name, param in module.named_parameters():
@@ -134,8 +134,8 @@ def applied_switches(model: torch.nn.Module, pipeline=None) -> dict:
     for every FSDP2 unit (by global name) whether it reshards its weights after forward, and the units still
     gathered at the end (after the last evaluation). A pipeline's stage modules (the FSDP2 roots there) are
     named ``stage<i>``."""
-    from lightning_hybrid.initialization import canonical_name
-    from lightning_hybrid.recompute import recomputed
+    from lightning_hybrid.distributed.init_weights import canonical_name
+    from lightning_hybrid.distributed.activation_checkpoint import recomputed
 
     local = {"recomputed": {}, "compiled": [], "mp_policy": [], "param_dtypes": [], "reshard_after_forward": {},
              "gathered": []}
@@ -173,7 +173,7 @@ def optimizer_state(module: L.LightningModule) -> dict[str, torch.Tensor]:
     """Full AdamW states by global parameter name (gathered like the weights)."""
     from torch.distributed.tensor import DTensor
 
-    from lightning_hybrid.initialization import canonical_name
+    from lightning_hybrid.distributed.init_weights import canonical_name
 
     optimizer = module.trainer.optimizers[0] if module.trainer.optimizers else None
     local = {}

@@ -19,7 +19,7 @@ from torch.utils.data import DataLoader, TensorDataset
 import lightning as L
 from lightning_hybrid import HybridParallelStrategy
 from lightning_hybrid.checkpoint import hf
-from lightning_hybrid.initialization import _local_region
+from lightning_hybrid.distributed.init_weights import local_region
 from lightning_hybrid.models import CausalLM, Qwen2Config
 
 
@@ -49,7 +49,7 @@ def main() -> None:
     before = predicted_logits(trainer, module, inputs)
     # What this rank holds and what it read while the strategy filled its shards.
     itemsize = 4  # the test folder is fp32
-    held = sum(_local_region(p)[0].numel() * itemsize for p in module.model.parameters())
+    held = sum(local_region(p)[0].numel() * itemsize for p in module.model.parameters())
     reads = gather({"rank": dist.get_rank(), "bytes_read": hf.read_stats.bytes_read, "held_bytes": held,
                     "tensors_read": hf.read_stats.tensors_read})
 
@@ -58,7 +58,7 @@ def main() -> None:
     fsdp_trainer = L.Trainer(accelerator="cpu", devices=4, strategy=HybridParallelStrategy(tp=2, dp=2),
                              logger=False, enable_progress_bar=False, enable_model_summary=False)
     fsdp_trainer.predict(fsdp_module, dataloaders=DataLoader(inputs, batch_size=2))  # sets the model up
-    fsdp_held = sum(_local_region(p)[0].numel() * itemsize for p in fsdp_module.model.parameters())
+    fsdp_held = sum(local_region(p)[0].numel() * itemsize for p in fsdp_module.model.parameters())
     fsdp_reads = gather({"rank": dist.get_rank(), "bytes_read": hf.read_stats.bytes_read, "held_bytes": fsdp_held})
     with torch.no_grad():
         fsdp_logits = fsdp_module.model(inputs)  # every rank runs the whole batch; the logits are replicated

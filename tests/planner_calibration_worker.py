@@ -17,11 +17,12 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
-from lightning_hybrid.data_parallel import apply_fsdp
-from lightning_hybrid.mesh import ParallelDims, build_mesh
+from lightning_hybrid.distributed.data_parallel import apply_fsdp
+from lightning_hybrid.distributed.parallel_dims import ParallelDims, build_mesh
 from lightning_hybrid.models import Qwen2, Qwen2Config
-from lightning_hybrid.pipeline import build_stages, plan_stages, stage_ids_for_rank
-from lightning_hybrid.tensor_parallel import apply_tensor_parallel
+from lightning_hybrid.distributed.pipeline.schedules import stage_ids_for_rank
+from lightning_hybrid.distributed.pipeline.split import build_stages, plan_stages
+from lightning_hybrid.distributed.tensor_parallel import apply_tensor_parallel
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:

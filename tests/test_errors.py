@@ -6,7 +6,7 @@ import pytest
 
 import lightning as L
 from lightning_hybrid import HybridParallelStrategy
-from lightning_hybrid.mesh import ParallelDims
+from lightning_hybrid.distributed.parallel_dims import ParallelDims
 from lightning_hybrid.models import CausalLM, Qwen2Config
 
 from equivalence_setup import make_dataset
@@ -124,7 +124,7 @@ def test_recompute_and_compile_switches_are_accepted_for_a_declared_model_and_re
     from user_module import UserTPModule
 
     strategy = _validated(CausalLM("tiny"), activation_checkpointing="selective", selective_ac="2", compile=True)
-    assert strategy.selective_ac == 2 and strategy.compile
+    assert strategy.options.selective_ac == 2 and strategy.options.compile
     with pytest.raises(ValueError, match=r"activation_checkpointing='full'/compile=False need a LightningModule that declares"):
         _validated(UserTPModule(), activation_checkpointing="full")
 

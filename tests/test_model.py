@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from lightning_hybrid.models import CausalLM, Qwen2, Qwen2Config
-from lightning_hybrid.models.qwen2 import Attention, apply_rotary, rotary_tables
+from lightning_hybrid.models.qwen2.model import Attention, apply_rotary, rotary_tables
 
 PUBLISHED = {  # computed from the shapes of the published safetensors files (shared/qwen2.5-presets.md)
     "qwen2.5-0.5b": 494_032_768, "qwen2.5-1.5b": 1_543_714_304, "qwen2.5-3b": 3_085_938_688,
@@ -139,7 +139,7 @@ def test_loss_is_mean_over_label_tokens_ignoring_minus_100():
 
 
 def test_initialization_is_the_same_for_a_shard_and_the_full_tensor():
-    from lightning_hybrid.initialization import fill_normal_region
+    from lightning_hybrid.distributed.init_weights import fill_normal_region
 
     full = torch.empty(300, 7000)  # several row blocks of the generator
     fill_normal_region(full, (300, 7000), (0, 0), 0.02, seed=3, name="w")

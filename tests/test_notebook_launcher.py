@@ -9,7 +9,7 @@ import time
 
 import pytest
 
-from lightning_hybrid.notebook import LocalJob, torchrun_command, worker_pids
+from lightning_hybrid.launch.torchrun import LocalJob, torchrun_command, worker_pids
 
 # A stand-in for torchrun: starts one worker per rank (RANK in its environment), one of them through an
 # intermediate process as a wrapper script would, and waits.

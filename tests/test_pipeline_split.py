@@ -8,8 +8,8 @@ import torch
 import lightning as L
 from lightning_hybrid import HybridParallelStrategy
 from lightning_hybrid.models import CausalLM, Qwen2, Qwen2Config
-from lightning_hybrid.pipeline import (build_stages, plan_stages, stage_ids_for_rank, theoretical_bubble,
-                                       validate_schedule)
+from lightning_hybrid.distributed.pipeline.schedules import stage_ids_for_rank, theoretical_bubble, validate_schedule
+from lightning_hybrid.distributed.pipeline.split import build_stages, plan_stages
 
 
 def _spec(name: str):
@@ -96,12 +96,12 @@ def test_invalid_schedule_combinations_are_refused(args, message):
 
 
 def test_schedule_names_are_case_insensitive():
-    assert HybridParallelStrategy(pp=2, pp_schedule="Interleaved_1F1B", virtual_stages=2).pp_schedule == "interleaved_1f1b"
+    assert HybridParallelStrategy(pp=2, pp_schedule="Interleaved_1F1B", virtual_stages=2).options.pp_schedule == "interleaved_1f1b"
 
 
 def test_default_microbatches_are_at_least_twice_pp():
-    assert HybridParallelStrategy(pp=4).num_microbatches == 8
-    assert HybridParallelStrategy(pp=2, pp_schedule="zbv_zero_bubble", virtual_stages=2).num_microbatches >= 4
+    assert HybridParallelStrategy(pp=4).options.num_microbatches == 8
+    assert HybridParallelStrategy(pp=2, pp_schedule="zbv_zero_bubble", virtual_stages=2).options.num_microbatches >= 4
 
 
 def test_theoretical_bubble():
@@ -147,7 +147,7 @@ class _FakeStage:
 def test_stage_timer_sums_compute_time_against_the_step_on_cpu():
     import time
 
-    from lightning_hybrid.pipeline import StageTimer
+    from lightning_hybrid.distributed.pipeline.timer import StageTimer
 
     timer, stage = StageTimer(torch.device("cpu")), _FakeStage()
     timer.wrap(stage)
@@ -165,7 +165,7 @@ def test_stage_timer_sums_compute_time_against_the_step_on_cpu():
 
 def test_stage_timer_on_cuda_uses_events_and_never_synchronizes(monkeypatch):
     """A device-wide synchronize per micro-batch would serialise the pipeline's p2p with compute on a GPU."""
-    from lightning_hybrid.pipeline import StageTimer
+    from lightning_hybrid.distributed.pipeline.timer import StageTimer
 
     clock = iter(range(1000))
     recorded: list["Event"] = []

@@ -14,7 +14,7 @@ import pytest
 
 from launch import HERE, torchrun
 from lightning_hybrid.models import Qwen2Config
-from lightning_hybrid.planner import rank_memory
+from lightning_hybrid.planner.search import rank_memory
 
 ODD = dict(vocab_size=250, hidden_size=48, intermediate_size=100, num_hidden_layers=5, num_attention_heads=8,
            num_key_value_heads=4, max_position_embeddings=64)

@@ -71,7 +71,7 @@ def mesh_of(config: dict[str, Any]) -> dict[str, int]:
 
 def layout_of(config: dict[str, Any]):
     """The planner's :class:`Layout` for what the recipe runs (micro-batching as the strategy does it)."""
-    from lightning_hybrid.planner import Layout
+    from lightning_hybrid.planner.search import Layout
 
     args = config["trainer"]["strategy"]["init_args"]
     mesh = mesh_of(config)
@@ -89,7 +89,7 @@ def layout_of(config: dict[str, Any]):
 
 
 def planner_problem(recipe: Path):
-    from lightning_hybrid.planner_report import build_parser, build_problem
+    from lightning_hybrid.planner.cli import build_parser, build_problem
 
     words = shlex.split(plan_line(recipe))
     assert words[:2] == ["lightning-hybrid", "plan"], words
@@ -125,9 +125,9 @@ def test_recipe_loads_with_print_config_into_the_hybrid_strategy_and_causal_lm(r
 
 @pytest.mark.parametrize("recipe", RECIPES, ids=recipe_id)
 def test_recipe_mesh_multiplies_to_the_devices_and_keeps_tp_inside_a_node(recipe):
-    from lightning_hybrid.mesh import ParallelDims
+    from lightning_hybrid.distributed.parallel_dims import ParallelDims
     from lightning_hybrid.models import CausalLM
-    from lightning_hybrid.pipeline import plan_stages
+    from lightning_hybrid.distributed.pipeline.split import plan_stages
 
     config = printed_config(recipe)
     mesh = mesh_of(config)
@@ -161,7 +161,7 @@ def test_recipe_and_its_planner_question_describe_the_same_job(recipe):
 
 @pytest.mark.parametrize("recipe", RECIPES, ids=recipe_id)
 def test_planner_says_the_recipe_layout_fits(recipe):
-    from lightning_hybrid.planner import estimate
+    from lightning_hybrid.planner.search import estimate
 
     config = printed_config(recipe)
     problem, _ = planner_problem(recipe)
@@ -175,8 +175,8 @@ def test_planner_says_the_recipe_layout_fits(recipe):
 
 @pytest.mark.parametrize("recipe", [r for r in RECIPES if r.name.startswith("qwen")], ids=recipe_id)
 def test_checkpoint_interval_of_a_large_recipe_follows_the_planners_young_daly_estimate(recipe):
-    from lightning_hybrid.planner import estimate
-    from lightning_hybrid.planner_time import checkpoint_plan
+    from lightning_hybrid.planner.search import estimate
+    from lightning_hybrid.planner.step_time import checkpoint_plan
 
     config = printed_config(recipe)
     ckpt = callback(config, "FaultTolerantCheckpoint")
@@ -236,7 +236,7 @@ def test_pretrain_recipe_is_the_reference_layout_tp8_pp2_dp8_on_16_nodes_at_seq_
 @pytest.mark.timeout(300)
 def test_tiny_recipe_trains_five_steps_on_four_processes_with_finite_falling_loss_and_a_tokens_per_second_line(
         tmp_path):
-    from lightning_hybrid.notebook import latest_version_dir, read_scalars
+    from lightning_hybrid.launch.torchrun import latest_version_dir, read_scalars
 
     result = torchrun(4, ["-m", "lightning_hybrid.cli", "fit", "--config", str(TINY),
                           "--trainer.max_steps", "5", "--trainer.val_check_interval", "5",

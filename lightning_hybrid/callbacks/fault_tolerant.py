@@ -15,6 +15,7 @@ import torch
 import lightning.pytorch as pl
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 
+from lightning_hybrid.checkpoint.verify import verify_on_all_ranks
 from lightning_hybrid.checkpoint.manifest import (CheckpointError, committed_checkpoints, fsync_dir, purge_old,
                                                   set_aside_newer, step_dirname, update_latest)
 
@@ -37,7 +38,7 @@ class Preempted(SystemExit):
 
 def suggest_interval(save_seconds: float, mtbf_hours: float) -> float:
     """Young/Daly checkpoint interval in seconds for a save cost and a mean time between failures."""
-    from lightning_hybrid.planner_time import young_daly_interval
+    from lightning_hybrid.planner.step_time import young_daly_interval
 
     return young_daly_interval(save_seconds, mtbf_hours * 3600.0)[1]
 
@@ -164,30 +165,16 @@ class FaultTolerantCheckpoint(pl.Callback):
         """
         import torch.distributed as dist
 
-        from lightning_hybrid.checkpoint.manifest import read_manifest, verify_checkpoint
-
-        world, rank = trainer.world_size, trainer.global_rank
+        world = trainer.world_size if dist.is_initialized() else 1
         for folder in candidates:
-            start, error = time.perf_counter(), ""
             try:
-                names = sorted(read_manifest(folder).get("files", {}))
-                verify_checkpoint(folder, files=names[rank::world], checksums=self.verify_checksums)
-                checked = sum((folder / name).stat().st_size for name in names[rank::world])
-            except (CheckpointError, OSError) as err:
-                error, checked = str(err), 0
-            verdicts: list = [(error, checked)]
-            if dist.is_initialized() and world > 1:
-                verdicts = [None] * world
-                dist.all_gather_object(verdicts, (error, checked), group=trainer.strategy.checkpoint_group)
-            errors = [e for e, _ in verdicts if e]
-            if not errors:
-                total = sum(b for _, b in verdicts)
-                size = f"{total / 1e9:.2f} GB" if total >= 1e8 else f"{total / 1e6:.2f} MB"
-                rank_zero_info(f"verified {folder.name}: {len(names)} files, {size} "
-                               f"{'size and CRC-32' if self.verify_checksums else 'size'} checked by {world} "
-                               f"rank(s) in {time.perf_counter() - start:.1f} s")
-                return folder
-            rank_zero_warn(f"skipping damaged checkpoint: {errors[0]}")
+                verified = verify_on_all_ranks(folder, trainer.global_rank, world, trainer.strategy.checkpoint_group,
+                                               checksums=self.verify_checksums)
+            except CheckpointError as err:
+                rank_zero_warn(f"skipping damaged checkpoint: {err}")
+                continue
+            rank_zero_info(verified.describe(folder, self.verify_checksums))
+            return folder
         return None
 
     # ------------------------------------------------------------------ signals

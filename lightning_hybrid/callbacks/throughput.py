@@ -26,6 +26,7 @@ from lightning.fabric.utilities.throughput import Throughput, get_available_flop
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 
 from lightning_hybrid.callbacks.stragglers import StragglerDetector
+from lightning_hybrid.models.qwen2.config import flops_per_token
 
 __all__ = ["ThroughputMonitor", "flops_per_token", "peak_flops", "measure_cpu_peak_flops", "training_state_bytes",
            "PEAK_FLOPS"]
@@ -54,41 +55,6 @@ _DTYPE_ALIASES = {"float32": "fp32", "32": "fp32", "32-true": "fp32", "bfloat16"
                   "bf16-mixed": "bf16", "float16": "fp16", "16": "fp16", "16-true": "fp16", "16-mixed": "fp16",
                   "tfloat32": "tf32", "float8": "fp8", "transformer-engine": "fp8",
                   "transformer-engine-float16": "fp8"}
-
-
-def flops_per_token(config: Any, seq_len: int, include_head: bool = True) -> float:
-    """Model FLOPs (forward + backward) per trained token of a Qwen2-shaped decoder.
-
-    ``6 * L * (2 * h * hq + 2 * h * hkv + 3 * h * I)  +  6 * h * V  +  12 * L * hq * T`` with
-    ``L`` layers, width ``h``, query width ``hq = heads * head_dim``, key/value width
-    ``hkv = kv_heads * head_dim`` (grouped-query attention), SwiGLU width ``I`` (gate, up and down:
-    3 matrices), vocabulary ``V`` and sequence length ``T``:
-
-    - the first term is ``6 * N`` over the non-embedding matmul weights (q and o are ``h x hq``, k and v
-      ``h x hkv``); biases and norms do no matmul and are left out (under 0.01% of N);
-    - the LM head is counted (``include_head``): it is a real ``h x V`` matmul run for every token,
-      tied to the embedding or not. The embedding lookup does no matmul and is not counted;
-    - attention: ``Q K^T`` and ``softmax . V`` cost ``2 * hq * T`` each per token forward, times 3 with
-      backward. Every query head attends over all ``T`` keys, so GQA does not shrink it, and the causal
-      mask is not halved (the PaLM convention; FlashAttention skips the masked half, so real attention
-      work is about half of this term).
-
-    Args:
-        config: a :class:`~lightning_hybrid.models.Qwen2Config` (or any object with its size fields).
-        seq_len: tokens per sequence.
-        include_head: count the LM head matmul.
-
-    Raises:
-        ValueError: ``seq_len`` is not a positive integer.
-    """
-    if not isinstance(seq_len, int) or isinstance(seq_len, bool) or seq_len < 1:
-        raise ValueError(f"seq_len={seq_len!r} must be a positive integer")
-    h, layers = config.hidden_size, config.num_hidden_layers
-    hq = config.num_attention_heads * config.head_dim
-    hkv = config.num_key_value_heads * config.head_dim
-    matmul_weights = layers * (2 * h * hq + 2 * h * hkv + 3 * h * config.intermediate_size)
-    head = h * config.vocab_size if include_head else 0
-    return float(6 * (matmul_weights + head) + 12 * layers * hq * seq_len)
 
 
 def normalize_dtype(dtype: str) -> str:

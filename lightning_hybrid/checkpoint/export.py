@@ -20,8 +20,8 @@ import torch
 from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.metadata import Metadata
 
-from lightning_hybrid.checkpoint.hf import TOKENIZER_FILES, expected_hf_tensors, hf_to_ours
-from lightning_hybrid.models.config import Qwen2Config
+from lightning_hybrid.models.qwen2.hf import TOKENIZER_FILES, expected_hf_tensors, hf_to_ours
+from lightning_hybrid.models.qwen2.config import Qwen2Config
 
 __all__ = ["export_hf", "export_main", "parse_size", "hf_config_dict", "EXPORT_DTYPES"]
 

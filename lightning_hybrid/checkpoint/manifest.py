@@ -17,8 +17,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterable, Optional, Union
 
-__all__ = ["MANIFEST", "LATEST", "step_dirname", "file_record", "write_manifest", "verify_checkpoint",
-           "CheckpointError", "committed_checkpoints", "find_resumable", "set_aside_newer", "update_latest", "purge_old",
+__all__ = ["MANIFEST", "LATEST", "step_dirname", "file_record", "write_manifest",
+           "CheckpointError", "committed_checkpoints", "set_aside_newer", "update_latest", "purge_old",
            "fsync_dir"]
 
 MANIFEST = "meta.json"
@@ -83,38 +83,6 @@ def read_manifest(folder: Path) -> dict[str, Any]:
         raise CheckpointError(f"checkpoint {folder}: {MANIFEST} is not valid JSON ({err})") from err
 
 
-def verify_checkpoint(folder: Union[str, Path], files: Optional[Iterable[str]] = None,
-                      checksums: bool = True) -> dict[str, Any]:
-    """Check that every file the manifest lists is present with its size (and CRC-32); return the manifest.
-
-    Args:
-        folder: the checkpoint folder.
-        files: check only these names (to split the work over ranks); ``None`` checks all.
-        checksums: also compare CRC-32s (reads every byte), not just sizes.
-
-    Raises:
-        CheckpointError: naming the first missing, truncated or corrupted file.
-    """
-    folder = Path(folder)
-    manifest = read_manifest(folder)
-    listed = manifest.get("files", {})
-    for name in (sorted(listed) if files is None else files):
-        expected = listed[name]
-        path = folder / name
-        if not path.is_file():
-            raise CheckpointError(f"checkpoint {folder}: file {name} is missing")
-        size = path.stat().st_size
-        if size != expected["size"]:
-            raise CheckpointError(f"checkpoint {folder}: file {name} has {size} bytes, the manifest says "
-                                  f"{expected['size']} (truncated or partial write)")
-        if checksums:
-            crc = file_record(path)["crc32"]
-            if crc != expected["crc32"]:
-                raise CheckpointError(f"checkpoint {folder}: file {name} has CRC-32 {crc}, the manifest says "
-                                      f"{expected['crc32']} (corrupted)")
-    return manifest
-
-
 @dataclass(frozen=True)
 class Committed:
     step: int
@@ -128,19 +96,6 @@ def committed_checkpoints(dirpath: Union[str, Path]) -> list[Committed]:
         return []
     found = [Committed(int(m.group(1)), p) for p in root.iterdir() if p.is_dir() and (m := _STEP_DIR.match(p.name))]
     return sorted(found, key=lambda c: c.step, reverse=True)
-
-
-def find_resumable(dirpath: Union[str, Path], log: Any = print, checksums: bool = True) -> Optional[Path]:
-    """The newest checkpoint in ``dirpath`` that passes :func:`verify_checkpoint`; damaged ones are reported
-    in one line each and skipped. ``None`` when there is none."""
-    for candidate in committed_checkpoints(dirpath):
-        try:
-            verify_checkpoint(candidate.path, checksums=checksums)
-        except CheckpointError as err:
-            log(f"skipping damaged checkpoint: {err}")
-            continue
-        return candidate.path
-    return None
 
 
 def set_aside_newer(dirpath: Union[str, Path], step: int) -> list[Path]:

@@ -11,21 +11,43 @@ from __future__ import annotations
 import json
 import platform
 import time
+from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Optional
+from typing import Any, Optional
 
 import torch
 
 from lightning_hybrid.checkpoint.dcp import (TRAINER_STATE, PendingWrite, load_rng, load_shards,
                                              load_trainer_state, model_optimizer_state, save_rng, save_trainer_state,
                                              write_shards)
-from lightning_hybrid.checkpoint.manifest import (MANIFEST, CheckpointError, file_record, read_manifest,
-                                                  verify_checkpoint, write_manifest)
+from lightning_hybrid.checkpoint.manifest import MANIFEST, CheckpointError, file_record, write_manifest
+from lightning_hybrid.checkpoint.verify import verify_on_all_ranks
 
-if TYPE_CHECKING:
-    from lightning_hybrid.strategy import HybridParallelStrategy
+__all__ = ["CheckpointContext", "ShardedSave", "begin_save", "load", "CheckpointWriteError", "check_model_config"]
 
-__all__ = ["ShardedSave", "begin_save", "load", "CheckpointWriteError", "check_model_config"]
+
+@dataclass
+class CheckpointContext:
+    """What saving and loading need from the running job; the strategy builds one per call.
+
+    Args:
+        module: the LightningModule (its ``model``, ``config`` and ``hparams`` are saved).
+        optimizers: the optimizers whose states are saved or loaded (empty when not training).
+        global_rank / world_size: this rank and the job's size.
+        group: the gloo group for checkpoint collectives (never shared with training collectives).
+        background_group: the group of the background writer thread (async saves).
+        layout: the parallel layout, recorded in the manifest (tp, pp, dp, world_size, ...).
+        data_position: global samples of the epoch consumed so far, and the sampler's seed.
+    """
+
+    module: Any
+    optimizers: list[torch.optim.Optimizer]
+    global_rank: int
+    world_size: int
+    group: Any
+    background_group: Any
+    layout: dict[str, Any]
+    data_position: Optional[dict[str, int]] = None
 
 
 class CheckpointWriteError(RuntimeError):
@@ -41,17 +63,14 @@ def _versions() -> dict[str, str]:
             "lightning": lightning.__version__, "python": platform.python_version()}
 
 
-def _info(strategy: "HybridParallelStrategy", checkpoint: dict[str, Any]) -> dict[str, Any]:
-    module = strategy.lightning_module
-    dims = strategy.dims
+def _info(ctx: CheckpointContext, checkpoint: dict[str, Any]) -> dict[str, Any]:
+    module = ctx.module
     config = getattr(module, "config", None)
     return {
         "step": int(checkpoint.get("global_step", 0)),
         "epoch": int(checkpoint.get("epoch", 0)),
         "data_position": checkpoint.get("hybrid", {}).get("data_position"),
-        "mesh": {"tp": dims.tp, "pp": dims.pp, "dp": dims.dp, "world_size": dims.world_size,
-                 "data_parallel": strategy.data_parallel, "virtual_stages": strategy.virtual_stages,
-                 "pp_schedule": strategy.pp_schedule},
+        "mesh": dict(ctx.layout),
         "model_config": config.to_dict() if config is not None else None,
         "hparams": json.loads(json.dumps(dict(getattr(module, "hparams", {})), default=str)),
         "versions": _versions(),
@@ -62,9 +81,9 @@ def _info(strategy: "HybridParallelStrategy", checkpoint: dict[str, Any]) -> dic
 class ShardedSave:
     """A checkpoint being written; call :meth:`finish` on every rank (collective) once :meth:`ready` everywhere."""
 
-    def __init__(self, strategy: "HybridParallelStrategy", folder: Path, pending: PendingWrite,
+    def __init__(self, ctx: CheckpointContext, folder: Path, pending: PendingWrite,
                  info: dict[str, Any], started: float) -> None:
-        self.strategy = strategy
+        self.ctx = ctx
         self.folder = folder
         self.pending = pending
         self.info = info
@@ -85,13 +104,13 @@ class ShardedSave:
             records: dict[str, Any] = {"files": self.pending.result()}
         except Exception as err:  # storage errors of the background writer land here
             records = {"error": f"{type(err).__name__}: {err}"}
-        group = self.strategy.checkpoint_group
+        group = self.ctx.group
         gathered: list = [None] * dist.get_world_size(group)
         dist.all_gather_object(gathered, records, group=group)
         errors = [f"rank {r}: {g['error']}" for r, g in enumerate(gathered) if "error" in g]
         if errors:
             raise CheckpointWriteError(f"saving {self.folder} failed: " + "; ".join(errors))
-        if self.strategy.global_rank == 0:
+        if self.ctx.global_rank == 0:
             files: dict[str, Any] = {}
             for item in gathered:
                 files.update(item["files"])
@@ -102,36 +121,20 @@ class ShardedSave:
         return self.info
 
 
-def data_position(strategy: "HybridParallelStrategy") -> Optional[dict[str, int]]:
-    """Global samples of the current epoch consumed so far (including the batch being finished)."""
-    trainer = strategy.lightning_module._trainer
-    if trainer is None or strategy.per_rank_batch_size is None:
-        return None
-    progress = trainer.fit_loop.epoch_loop.batch_progress.current
-    position = {"epoch": int(trainer.current_epoch),
-                "samples_in_epoch": int(progress.processed) * strategy.per_rank_batch_size * strategy.dims.dp,
-                "global_batch": strategy.per_rank_batch_size * strategy.dims.dp}
-    if strategy.train_sampler is not None:
-        position["seed"] = int(strategy.train_sampler.seed)
-    return position
-
-
-def begin_save(strategy: "HybridParallelStrategy", checkpoint: dict[str, Any], folder: Path,
-               async_save: bool) -> ShardedSave:
+def begin_save(ctx: CheckpointContext, checkpoint: dict[str, Any], folder: Path, async_save: bool) -> ShardedSave:
     """Snapshot and start writing ``checkpoint`` (Lightning's dict, with its ``state_dict`` and
     ``optimizer_states`` replaced by the sharded model/optimizer state) into ``folder``."""
     checkpoint.pop("state_dict", None)
     checkpoint.pop("optimizer_states", None)
-    checkpoint["hybrid"] = {"data_position": data_position(strategy)}
+    checkpoint["hybrid"] = {"data_position": ctx.data_position}
     import torch.distributed as dist
 
     started = time.perf_counter()
-    module = strategy.lightning_module
-    group = strategy.checkpoint_group
+    group = ctx.group
     # Local failures (permission denied, disk full) must not leave some ranks inside DCP's collectives.
     try:
         folder.mkdir(parents=True, exist_ok=True)
-        save_rng(folder, strategy.global_rank)
+        save_rng(folder, ctx.global_rank)
         error = ""
     except OSError as err:
         error = f"{type(err).__name__}: {err}"
@@ -139,13 +142,13 @@ def begin_save(strategy: "HybridParallelStrategy", checkpoint: dict[str, Any], f
     dist.all_gather_object(errors, error, group=group)
     if any(errors):
         raise CheckpointWriteError(f"saving {folder} failed: " + "; ".join(f"rank {r}: {e}" for r, e in enumerate(errors) if e))
-    state = model_optimizer_state(module.model, list(strategy.optimizers))
+    state = model_optimizer_state(ctx.module.model, ctx.optimizers)
     # An asynchronous write runs its collectives in a background thread, on a group no other thread uses.
-    writer_group = strategy.background_checkpoint_group if async_save else group
-    pending = write_shards(folder, state, writer_group, dist.get_rank(writer_group), strategy.global_rank, async_save)
-    if strategy.global_rank == 0:
+    writer_group = ctx.background_group if async_save else group
+    pending = write_shards(folder, state, writer_group, dist.get_rank(writer_group), ctx.global_rank, async_save)
+    if ctx.global_rank == 0:
         save_trainer_state(folder, checkpoint)
-    return ShardedSave(strategy, folder, pending, _info(strategy, checkpoint), started)
+    return ShardedSave(ctx, folder, pending, _info(ctx, checkpoint), started)
 
 
 def check_model_config(saved: Optional[dict[str, Any]], current: Optional[dict[str, Any]], folder: Path) -> None:
@@ -165,28 +168,11 @@ def check_model_config(saved: Optional[dict[str, Any]], current: Optional[dict[s
                          f"{fields}; load it into a model with the same config")
 
 
-def _verify_on_all_ranks(strategy: "HybridParallelStrategy", folder: Path) -> dict[str, Any]:
-    """Sizes checked by every rank, checksums split over the ranks; one verdict for all."""
-    import torch.distributed as dist
+def load(ctx: CheckpointContext, folder: Path) -> dict[str, Any]:
+    """Load a checkpoint written by :func:`begin_save` into the module's model and ``ctx.optimizers``.
 
-    message = ""
-    manifest: dict[str, Any] = {}
-    try:
-        manifest = verify_checkpoint(folder, checksums=False)
-        names = sorted(manifest.get("files", {}))
-        verify_checkpoint(folder, files=names[strategy.global_rank::strategy.world_size])
-    except CheckpointError as err:
-        message = str(err)
-    messages: list = [None] * strategy.world_size
-    dist.all_gather_object(messages, message, group=strategy.checkpoint_group)
-    failures = [m for m in messages if m]
-    if failures:
-        raise CheckpointError(failures[0])
-    return manifest
-
-
-def load(strategy: "HybridParallelStrategy", folder: Path) -> dict[str, Any]:
-    """Load a checkpoint written by :func:`begin_save` into the strategy's model and optimizers.
+    Returns Lightning's checkpoint dict (loops, schedulers, callbacks); its ``["hybrid"]["data_position"]``
+    is where the data resumes.
 
     Raises:
         CheckpointError: the folder is incomplete or damaged (same verdict on every rank).
@@ -196,18 +182,11 @@ def load(strategy: "HybridParallelStrategy", folder: Path) -> dict[str, Any]:
 
     if not (folder / MANIFEST).is_file():
         raise CheckpointError(f"checkpoint {folder} has no {MANIFEST} (incomplete or not a checkpoint)")
-    manifest = _verify_on_all_ranks(strategy, folder)
-    module = strategy.lightning_module
-    config = getattr(module, "config", None)
+    manifest = verify_on_all_ranks(folder, ctx.global_rank, ctx.world_size, ctx.group).manifest
+    config = getattr(ctx.module, "config", None)
     check_model_config(manifest.get("model_config"), config.to_dict() if config is not None else None, folder)
-    optimizers = list(strategy.optimizers) if strategy.lightning_module.trainer.training or strategy.optimizers else []
-    load_shards(folder, module.model, optimizers, strategy.checkpoint_group)
+    load_shards(folder, ctx.module.model, ctx.optimizers, ctx.group)
     trainer_state = load_trainer_state(folder)
-    if manifest.get("mesh", {}).get("world_size") == strategy.world_size:
-        load_rng(folder, strategy.global_rank, rank_zero_warn)
-    strategy.resume_position = trainer_state.get("hybrid", {}).get("data_position")
+    if manifest.get("mesh", {}).get("world_size") == ctx.world_size:
+        load_rng(folder, ctx.global_rank, rank_zero_warn)
     return trainer_state
-
-
-def read_info(folder: Path) -> dict[str, Any]:
-    return read_manifest(folder)

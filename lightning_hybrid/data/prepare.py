@@ -57,7 +57,7 @@ def load_tokenizer(path_or_repo: str, eos_token: Optional[str] = None, backend: 
     Raises:
         ValueError: no fast tokenizer there, or it has no EOS token (pass ``eos_token``).
     """
-    from lightning_hybrid.checkpoint.hf import resolve_hf_path
+    from lightning_hybrid.hub import resolve_hf_path
 
     folder = resolve_hf_path(path_or_repo, allow_patterns=_TOKENIZER_PATTERNS)
     if backend == "auto":

@@ -9,11 +9,11 @@ without the interruption, even when ``n`` changed (the global batch size must st
 
 from __future__ import annotations
 
-from typing import Iterator, Optional
+from typing import Any, Iterator, Optional
 
 from torch.utils.data import Dataset, DistributedSampler
 
-__all__ = ["ResumableDistributedSampler"]
+__all__ = ["ResumableDistributedSampler", "resumable_dataloader", "data_position"]
 
 
 class ResumableDistributedSampler(DistributedSampler):
@@ -49,3 +49,46 @@ class ResumableDistributedSampler(DistributedSampler):
                 yield index
 
     # __len__ stays the full epoch: Lightning counts a resumed epoch's batches from its start.
+
+
+def resumable_dataloader(dataloader: Any, resume: Optional[dict[str, int]]) -> tuple[Any, Optional[Any], bool]:
+    """Replace the ``DistributedSampler`` Lightning gave a DataLoader by a :class:`ResumableDistributedSampler`.
+
+    Args:
+        dataloader: what Lightning hands the strategy's ``process_dataloader``.
+        resume: the data position of a loaded checkpoint (applied to a shuffled, i.e. training, loader only).
+
+    Returns:
+        (the DataLoader, its new sampler when it is the training one else ``None``, whether ``resume`` was used).
+    """
+    from torch.utils.data import DataLoader
+
+    from lightning.pytorch.trainer.states import RunningStage
+    from lightning.pytorch.utilities.data import _update_dataloader
+
+    if not isinstance(dataloader, DataLoader) or type(dataloader.sampler) is not DistributedSampler:
+        return dataloader, None, False
+    old = dataloader.sampler
+    resume = resume if old.shuffle else None
+    # A resumed run keeps the permutation of the run it continues, whatever seed it was started with.
+    seed = resume.get("seed", old.seed) if resume else old.seed
+    sampler = ResumableDistributedSampler(old.dataset, num_replicas=old.num_replicas, rank=old.rank,
+                                          shuffle=old.shuffle, seed=seed, drop_last=old.drop_last)
+    if resume is not None:
+        sampler.resume_from(resume["epoch"], resume["samples_in_epoch"])
+    loader = _update_dataloader(dataloader, sampler, mode=RunningStage.TRAINING if old.shuffle else None)
+    return loader, sampler if old.shuffle else None, resume is not None
+
+
+def data_position(trainer: Any, per_rank_batch_size: Optional[int], dp: int,
+                  sampler: Optional[ResumableDistributedSampler]) -> Optional[dict[str, int]]:
+    """Global samples of the current epoch consumed so far (including the batch being finished), and the seed."""
+    if trainer is None or per_rank_batch_size is None:
+        return None
+    progress = trainer.fit_loop.epoch_loop.batch_progress.current
+    position = {"epoch": int(trainer.current_epoch),
+                "samples_in_epoch": int(progress.processed) * per_rank_batch_size * dp,
+                "global_batch": per_rank_batch_size * dp}
+    if sampler is not None:
+        position["seed"] = int(sampler.seed)
+    return position

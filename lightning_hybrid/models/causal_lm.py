@@ -13,8 +13,9 @@ from torch import Tensor
 import lightning.pytorch as pl
 from torchmetrics import MeanMetric
 
-from lightning_hybrid.models.config import Qwen2Config
-from lightning_hybrid.models.qwen2 import Qwen2, parameter_init
+from lightning_hybrid.models.qwen2.config import Qwen2Config, flops_per_token, parallel_spec
+from lightning_hybrid.models.qwen2.model import Qwen2, parameter_init
+from lightning_hybrid.distributed.init_weights import init_parameters
 from lightning_hybrid.models.spec import ParallelSpec
 
 __all__ = ["CausalLM", "split_batch", "LR_SCHEDULES"]
@@ -104,18 +105,25 @@ class CausalLM(pl.LightningModule):
     # ------------------------------------------------------------------ declared structure
 
     def parallel_spec(self) -> ParallelSpec:
-        """The model's parts and TP plan (available before the model is built)."""
-        with torch.device("meta"):
-            return Qwen2(self._spec_config()).parallel_spec()
-
-    def _spec_config(self) -> Qwen2Config:
-        # One block is enough to read the declared structure without building the whole model.
-        values = self.config.to_dict()
-        values["num_hidden_layers"] = 1
-        return Qwen2Config(**values)
+        """The model's parts and TP plan (read from the config; available before the model is built)."""
+        return parallel_spec(self.config)
 
     def num_blocks(self) -> int:
+        """Number of decoder blocks (what the pipeline splits)."""
         return self.config.num_hidden_layers
+
+    def flops_per_token(self, seq_len: int) -> float:
+        """Model FLOPs per trained token at ``seq_len`` (for MFU; see :func:`~lightning_hybrid.models.qwen2.flops_per_token`)."""
+        return flops_per_token(self.config, seq_len)
+
+    def _declared_runner(self) -> Optional[Any]:
+        """The strategy's runner for this declared model (a pipeline), or ``None`` when the model runs as is.
+
+        The one question this module asks a strategy, through its public ``declared_model_runner()``; a
+        strategy without that method (single device, DDP, ...) runs the model plainly.
+        """
+        ask = getattr(self.trainer.strategy, "declared_model_runner", None) if self._trainer is not None else None
+        return ask() if callable(ask) else None
 
     def init_seed(self) -> int:
         if self.hparams.init_seed is not None:
@@ -128,7 +136,8 @@ class CausalLM(pl.LightningModule):
         with torch.device("meta"):
             model = Qwen2(self.config)
         strategy = self._trainer.strategy if self._trainer is not None else None
-        if not getattr(strategy, "materializes_declared_model", False):
+        # A strategy that runs declared models shards the meta-device model before allocating it.
+        if not callable(getattr(strategy, "declared_model_runner", None)):
             model.to_empty(device=self.device)
             if self.config.tie_word_embeddings:  # to_empty breaks the tie; restore it
                 model.lm_head.weight = model.embed_tokens.weight
@@ -142,12 +151,10 @@ class CausalLM(pl.LightningModule):
         ``init_from_hf`` when given (each rank reads only its own slices).
         """
         if self.hparams.get("init_from_hf"):
-            from lightning_hybrid.checkpoint.hf import load_hf_weights
+            from lightning_hybrid.models.qwen2.hf import load_hf_weights
 
             load_hf_weights(model, self.hparams.init_from_hf, self.config)
             return
-        from lightning_hybrid.initialization import init_parameters
-
         init_parameters(model, seed, functools.partial(parameter_init, self.config))
 
     def forward(self, input_ids: Tensor) -> Tensor:
@@ -164,7 +171,7 @@ class CausalLM(pl.LightningModule):
         gives both the global sum (for logging) and the global count; ranks that hold the same data
         (tensor/pipeline peers) are divided out.
         """
-        pipeline = getattr(self.trainer.strategy, "pipeline", None)
+        pipeline = self._declared_runner()
         if pipeline is not None:
             return pipeline(input_ids, labels, train=train)
         logits = self.model(input_ids)
@@ -218,7 +225,7 @@ class CausalLM(pl.LightningModule):
             input_ids = batch[0]
         else:
             input_ids = batch
-        pipeline = getattr(self.trainer.strategy, "pipeline", None)
+        pipeline = self._declared_runner()
         if pipeline is not None:
             return pipeline.logits(input_ids)
         return self.model(input_ids)
@@ -226,7 +233,7 @@ class CausalLM(pl.LightningModule):
     def optimizer_zero_grad(self, epoch: int, batch_idx: int, optimizer: Any) -> None:
         # With a pipeline the schedule computes the gradients inside training_step, before Lightning would
         # zero them; the strategy zeroes them after each optimizer step instead.
-        if getattr(self.trainer.strategy, "pipeline", None) is None:
+        if self._declared_runner() is None:
             super().optimizer_zero_grad(epoch, batch_idx, optimizer)
 
     # ------------------------------------------------------------------ optimization

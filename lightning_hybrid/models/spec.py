@@ -10,7 +10,10 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Optional
 
-__all__ = ["ParallelSpec", "TP_STYLES"]
+__all__ = ["ParallelSpec", "TP_STYLES", "IGNORE_INDEX"]
+
+# Label value that the loss ignores (padding, prompt tokens), as in torch's cross_entropy and Hugging Face.
+IGNORE_INDEX = -100
 
 # The tensor-parallel styles a plan may name; the strategy maps them onto torch's TP styles.
 TP_STYLES = ("colwise", "rowwise")

@@ -24,9 +24,10 @@ import matplotlib.pyplot as plt  # noqa: E402 - after the warning filter
 import torch
 from matplotlib.patches import FancyArrowPatch, Rectangle
 
-from lightning_hybrid.mesh import ParallelDims
+from lightning_hybrid.distributed.parallel_dims import ParallelDims
 from lightning_hybrid.models import CausalLM, Qwen2, Qwen2Config
-from lightning_hybrid.pipeline import build_stages, plan_stages, theoretical_bubble
+from lightning_hybrid.distributed.pipeline.schedules import theoretical_bubble
+from lightning_hybrid.distributed.pipeline.split import build_stages, plan_stages
 
 NODES, GPUS_PER_NODE = 16, 8
 dims = ParallelDims.resolve(tp=8, pp=2, dp=None, world_size=NODES * GPUS_PER_NODE, devices_per_node=GPUS_PER_NODE)
@@ -311,7 +312,7 @@ for title, name, v, orders, durations in cases:
 
 # %% [markdown]
 # What the charts and the table show (`balanced`: the same schedules with every stage as fast as the average one,
-# the assumption behind the textbook formula; `theory`: `theoretical_bubble` of `lightning_hybrid.pipeline`):
+# the assumption behind the textbook formula; `theory`: `theoretical_bubble` of `lightning_hybrid.distributed.pipeline.schedules`):
 #
 # * With balanced stages **GPipe and 1F1B have the same bubble**, `(pp - 1) / (m + pp - 1)` = 1/9 for pp=2 and 8
 #   micro-batches. With the measured stages (the last one also runs the norm, the head and the loss) every

@@ -3,7 +3,7 @@
 #
 # Before spending GPU hours, `lightning-hybrid plan` predicts for every (tp, pp, dp, data-parallel mode,
 # micro-batching, schedule, recompute) the memory of the fullest GPU and the time of one optimizer step. This
-# notebook calls the same functions (`lightning_hybrid.planner`) to
+# notebook calls the same functions (`lightning_hybrid.planner.search`) to
 #
 # 1. rank the layouts for **128 B300** at sequence 4096 with a 4M-token batch, and explain why the simplest
 #    layout does or does not fit;
@@ -24,9 +24,9 @@ warnings.filterwarnings("ignore", message="IProgress not found")  # tqdm's noteb
 import matplotlib.pyplot as plt  # noqa: E402
 
 from lightning_hybrid.models import Qwen2Config
-from lightning_hybrid.planner import Layout, Problem, estimate, explain, search
-from lightning_hybrid.planner_report import assumptions, format_table
-from lightning_hybrid.planner_time import GPUS, Hardware, checkpoint_plan
+from lightning_hybrid.planner.search import Layout, Problem, estimate, explain, search
+from lightning_hybrid.planner.cli import assumptions, format_table
+from lightning_hybrid.planner.step_time import GPUS, Hardware, checkpoint_plan
 
 MODEL = Qwen2Config.from_preset("qwen2.5-72b")
 SEQ, BATCH = 4096, 1024  # 1,024 sequences x 4,096 tokens = 4.19M tokens per step

@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING
 
 from torch import nn
 
+from lightning_hybrid.distributed.parallel_dims import tied_embedding_error
 from lightning_hybrid.models.spec import ParallelSpec
 
 if TYPE_CHECKING:
@@ -68,8 +69,9 @@ def apply_tensor_parallel(model: nn.Module, spec: ParallelSpec, tp_mesh: "Device
     from torch.distributed.tensor.parallel import parallelize_module
 
     embedding, head = getattr(model, spec.embedding, None), getattr(model, spec.head, None)
-    if embedding is not None and head is not None and head.weight is embedding.weight:
-        raise ValueError("tie_word_embeddings=True is not supported with tp>1; untie the embeddings or use tp=1")
+    tied = embedding is not None and head is not None and head.weight is embedding.weight
+    if tied:
+        raise ValueError(tied_embedding_error(tied, tp_mesh.size(), 1))
     present = {name for name in (spec.embedding, spec.norm, spec.head) if getattr(model, name, None) is not None}
     plan = outer_plan(spec, sequence_parallel, present)
     if plan:

@@ -9,12 +9,12 @@ blocks its shard overlaps, one block (about a million values) at a time.
 from __future__ import annotations
 
 import hashlib
-from typing import Callable
+from typing import Any, Callable
 
 import torch
 from torch import Tensor, nn
 
-__all__ = ["init_parameters", "fill_normal_region", "canonical_name"]
+__all__ = ["init_parameters", "fill_normal_region", "canonical_name", "local_region", "initialize_declared"]
 
 _BLOCK_ELEMENTS = 1 << 20
 # Wrappers that insert a level into parameter names: activation checkpointing and torch.compile.
@@ -64,7 +64,7 @@ def fill_normal_region(out: Tensor, global_shape: tuple[int, ...], offset: tuple
         local[lo - row0:hi - row0].copy_(values[lo - start:hi - start, col0:col0 + ncols])
 
 
-def _local_region(param: Tensor) -> tuple[Tensor, tuple[int, ...], tuple[int, ...]]:
+def local_region(param: Tensor) -> tuple[Tensor, tuple[int, ...], tuple[int, ...]]:
     """(local tensor, global shape, global offset of the local tensor) for a plain tensor or a DTensor."""
     from torch.distributed.tensor import DTensor
 
@@ -94,7 +94,7 @@ def init_parameters(module: nn.Module, seed: int, rule: Callable[[str], tuple[st
     for raw_name, param in module.named_parameters():
         name = canonical_name(raw_name)
         kind, std = rule(name)
-        local, shape, offset = _local_region(param)
+        local, shape, offset = local_region(param)
         if kind == "ones":
             local.fill_(1.0)
         elif kind == "zeros":
@@ -108,3 +108,14 @@ def init_parameters(module: nn.Module, seed: int, rule: Callable[[str], tuple[st
                 local.copy_(buffer)
         else:
             raise ValueError(f"unknown init kind {kind!r} for parameter {name}; use normal, ones or zeros")
+
+
+def initialize_declared(lightning_module: Any, target: nn.Module, declared: nn.Module, seed: int) -> None:
+    """Fill the materialized shards of ``target``: the LightningModule's ``initialize_parameters(target, seed)``
+    if it has one (``CausalLM`` loads pretrained weights there), else the mesh-independent random initialization
+    with the declared model's ``parameter_init`` rule."""
+    hook = getattr(lightning_module, "initialize_parameters", None)
+    if callable(hook):
+        hook(target, seed)
+    else:
+        init_parameters(target, seed, declared.parameter_init)

@@ -36,7 +36,7 @@ import types
 from dataclasses import dataclass
 from typing import Optional, Sequence
 
-from lightning_hybrid.models.config import Qwen2Config
+from lightning_hybrid.models.qwen2.config import Qwen2Config
 
 __all__ = ["Precision", "PRECISIONS", "OPTIMIZERS", "RECOMPUTE", "split_blocks", "rank_stages",
            "rank_parameter_shapes", "chunk_rows", "rank_memory", "ActivationModel", "activation_model",
@@ -97,7 +97,7 @@ def chunk_rows(n: int, parts: int, index: int) -> int:
 
 
 def _spec(config: Qwen2Config):
-    from lightning_hybrid.models.qwen2 import Qwen2
+    from lightning_hybrid.models.qwen2.model import Qwen2
 
     # parallel_spec() reads only self.config; calling it unbound avoids building the model.
     return Qwen2.parallel_spec(types.SimpleNamespace(config=config))  # type: ignore[arg-type]
@@ -116,7 +116,7 @@ def split_blocks(config: Qwen2Config, num_stages: int) -> tuple[int, ...]:
     Raises:
         ValueError: more stages than blocks.
     """
-    from lightning_hybrid.pipeline import plan_stages
+    from lightning_hybrid.distributed.pipeline.split import plan_stages
 
     if num_stages == 1:
         return (config.num_hidden_layers,)
@@ -125,7 +125,7 @@ def split_blocks(config: Qwen2Config, num_stages: int) -> tuple[int, ...]:
 
 def rank_stages(pp: int, virtual_stages: int = 1, style: str = "loop") -> list[list[int]]:
     """Stage indices each pipeline rank holds: ``loop`` gives ``r, r + pp, ...``; ``v`` gives ``r, 2pp-1-r``."""
-    from lightning_hybrid.pipeline import stage_ids_for_rank
+    from lightning_hybrid.distributed.pipeline.schedules import stage_ids_for_rank
 
     if style == "v" and virtual_stages != 2:
         raise ValueError(f"V-shaped schedules place 2 stages per rank, got virtual_stages={virtual_stages}")

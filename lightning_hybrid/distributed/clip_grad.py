@@ -9,12 +9,12 @@ identical copy of it, and one all-reduce over the world gives the squared global
 from __future__ import annotations
 
 import math
-from typing import Iterable, Optional
+from typing import Any, Iterable, Optional
 
 import torch
 from torch import Tensor
 
-__all__ = ["global_grad_norm", "clip_grad_norm_global"]
+__all__ = ["global_grad_norm", "clip_grad_norm_global", "use_global_norm_clipping"]
 
 
 def _is_split(placement: object) -> bool:
@@ -68,3 +68,19 @@ def clip_grad_norm_global(parameters: Iterable[Tensor], max_norm: float, ranks_p
         for p in params:
             p.grad.mul_(coef)
     return norm
+
+
+def use_global_norm_clipping(precision_plugin: Any, ranks_per_stage: int) -> None:
+    """Make Lightning's ``gradient_clip_val`` (algorithm ``"norm"``) clip by the global norm over every stage and shard.
+
+    Lightning clips through its precision plugin's ``clip_grad_by_norm(optimizer, clip_val)``, which calls
+    torch's per-rank ``clip_grad_norm_``: under a pipeline that clips each stage by its own norm. A strategy
+    has no clipping hook, and the plugin's class varies with the precision, so its ``clip_grad_by_norm`` is
+    replaced on this plugin instance. ``tests/test_torch_private_apis.py`` checks that Lightning still routes
+    ``clip_gradients(..., "norm")`` through that method.
+    """
+    def clip_grad_by_norm(optimizer: torch.optim.Optimizer, clip_val: float) -> None:
+        params = [p for group in optimizer.param_groups for p in group["params"]]
+        clip_grad_norm_global(params, float(clip_val), ranks_per_stage)
+
+    precision_plugin.clip_grad_by_norm = clip_grad_by_norm

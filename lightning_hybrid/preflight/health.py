@@ -19,7 +19,7 @@ from __future__ import annotations
 
 from typing import Any, Optional
 
-from lightning_hybrid.planner_time import GPUS
+from lightning_hybrid.planner.step_time import GPUS
 
 __all__ = ["read_nvml", "check_gpu_health", "gpu_type_from_name", "THROTTLE_REASONS", "CORRECTED_ECC_WARNING"]
 

@@ -3,8 +3,8 @@
 The planner enumerates tensor parallel sizes inside a node, pipeline sizes, data parallel size and
 mode (FSDP or replication), micro-batch size and count, pipeline schedule with virtual stages,
 activation recompute and sequence parallelism; for each it predicts the per-GPU memory
-(:mod:`lightning_hybrid.planner_memory`, exact for parameters, gradients and optimizer states) and
-the step time (:mod:`lightning_hybrid.planner_time`), and ranks the layouts that fit by step time.
+(:mod:`lightning_hybrid.planner.memory`, exact for parameters, gradients and optimizer states) and
+the step time (:mod:`lightning_hybrid.planner.step_time`), and ranks the layouts that fit by step time.
 
     python -m lightning_hybrid.planner --model qwen2.5-72b --gpus 128 --gpus-per-node 8 --gpu b300 --seq-len 4096
 """
@@ -16,15 +16,15 @@ import math
 from dataclasses import asdict, dataclass, field
 from typing import Optional
 
-from lightning_hybrid.mesh import divisors
-from lightning_hybrid.models.config import Qwen2Config
-from lightning_hybrid.pipeline import validate_schedule
-from lightning_hybrid.planner_memory import (PRECISIONS, RECOMPUTE, activation_model,
+from lightning_hybrid.distributed.parallel_dims import divisors
+from lightning_hybrid.models.qwen2.config import Qwen2Config
+from lightning_hybrid.distributed.pipeline.schedules import validate_schedule
+from lightning_hybrid.planner.memory import (PRECISIONS, RECOMPUTE, activation_model,
                                              inflight_microbatches, rank_memory, rank_parameter_shapes, rank_stages,
                                              split_blocks)
-from lightning_hybrid.planner_time import Hardware, collective_seconds
+from lightning_hybrid.planner.step_time import Hardware, collective_seconds
 
-__all__ = ["Layout", "Estimate", "estimate", "search", "explain", "plan_main", "rank_memory"]
+__all__ = ["Layout", "Estimate", "estimate", "search", "explain", "rank_memory"]
 
 # (schedule, virtual stages) tried for pp > 1; pp == 1 uses ("none", 1).
 PIPELINE_SCHEDULES = (("1f1b", 1), ("interleaved_1f1b", 2), ("interleaved_1f1b", 4))
@@ -352,16 +352,3 @@ def explain(p: Problem, tp: int, pp: int, data_parallel: str) -> dict:
         text += f"does not fit by {m['total'] / 1e9 - usable:.1f} GB."
     return {"layout": name, "fits": smallest.fits, "text": text, "plain": plain.to_dict(),
             "smallest": smallest.to_dict()}
-
-
-def plan_main(argv: Optional[list[str]] = None) -> int:
-    """``lightning-hybrid plan``: print (or ``--json``) the ranked layouts; 0 when one fits, 1 when none does."""
-    from lightning_hybrid.planner_report import run_plan
-
-    return run_plan(argv)
-
-
-if __name__ == "__main__":
-    import sys
-
-    sys.exit(plan_main())

@@ -19,27 +19,19 @@ from typing import Any, Optional, Union
 import torch
 from torch import nn
 
-from lightning_hybrid.models.config import Qwen2Config
+from lightning_hybrid.hub import resolve_hf_path
+from lightning_hybrid.models.qwen2.config import BLOCK_TENSORS, Qwen2Config, block_tensor_shapes
 
 __all__ = [
-    "HF_NAME_TABLE", "hf_to_ours", "ours_to_hf", "resolve_hf_path", "load_hf_weights", "expected_hf_tensors",
+    "HF_NAME_TABLE", "hf_to_ours", "ours_to_hf", "load_hf_weights", "expected_hf_tensors",
     "SafetensorsFolder", "read_stats", "ARCHITECTURE_FIELDS", "TOKENIZER_FILES",
 ]
-
-_BLOCK_TENSORS = (
-    "self_attn.q_proj.weight", "self_attn.q_proj.bias",
-    "self_attn.k_proj.weight", "self_attn.k_proj.bias",
-    "self_attn.v_proj.weight", "self_attn.v_proj.bias",
-    "self_attn.o_proj.weight",
-    "mlp.gate_proj.weight", "mlp.up_proj.weight", "mlp.down_proj.weight",
-    "input_layernorm.weight", "post_attention_layernorm.weight",
-)
 
 # The one mapping between Hugging Face tensor names and ours, read in both directions. ``{i}`` is the
 # global block index.
 HF_NAME_TABLE: tuple[tuple[str, str], ...] = (
     ("model.embed_tokens.weight", "embed_tokens.weight"),
-    *((f"model.layers.{{i}}.{suffix}", f"layers.{{i}}.{suffix}") for suffix in _BLOCK_TENSORS),
+    *((f"model.layers.{{i}}.{suffix}", f"layers.{{i}}.{suffix}") for suffix in BLOCK_TENSORS),
     ("model.norm.weight", "norm.weight"),
     ("lm_head.weight", "lm_head.weight"),
 )
@@ -56,7 +48,6 @@ ARCHITECTURE_FIELDS = ("vocab_size", "hidden_size", "intermediate_size", "num_hi
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.json", "merges.txt", "special_tokens_map.json",
                    "added_tokens.json", "tokenizer.model", "chat_template.jinja", "chat_template.json")
 
-_REPO_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
 
 
 def _compile(pattern: str) -> re.Pattern[str]:
@@ -95,11 +86,15 @@ def ours_to_hf(name: str) -> str:
 
 def expected_hf_tensors(config: Qwen2Config) -> dict[str, tuple[int, ...]]:
     """Hugging Face name -> shape of every tensor a checkpoint of ``config`` holds (no ``lm_head`` when tied)."""
-    from lightning_hybrid.models.qwen2 import Qwen2
-
-    with torch.device("meta"):
-        model = Qwen2(config)
-    return {ours_to_hf(name): tuple(p.shape) for name, p in model.named_parameters()}  # tied weights listed once
+    h, vocab = config.hidden_size, config.vocab_size
+    shapes: dict[str, tuple[int, ...]] = {"embed_tokens.weight": (vocab, h)}
+    for i in range(config.num_hidden_layers):
+        for name, (shape, _) in block_tensor_shapes(config).items():
+            shapes[f"layers.{i}.{name}"] = shape
+    shapes["norm.weight"] = (h,)
+    if not config.tie_word_embeddings:
+        shapes["lm_head.weight"] = (vocab, h)
+    return {ours_to_hf(name): shape for name, shape in shapes.items()}
 
 
 @dataclass
@@ -115,39 +110,6 @@ class ReadStats:
 
 
 read_stats = ReadStats()
-
-
-def resolve_hf_path(path_or_repo: Union[str, Path],
-                    allow_patterns: Iterable[str] = ("*.json", "*.safetensors")) -> Path:
-    """A local folder for a Hugging Face model: a local path as is, a repo id through the Hub cache.
-
-    A repo id (``Qwen/Qwen2.5-72B``) is fetched with ``huggingface_hub.snapshot_download`` restricted to
-    ``allow_patterns`` (progress bar included); files already in the cache are not fetched again, and
-    with ``HF_HUB_OFFLINE=1`` only the cache is used. Concurrent calls from several ranks share the
-    Hub's file locks.
-
-    Raises:
-        FileNotFoundError: neither an existing folder nor a repo id, or the repo is not in the offline cache.
-    """
-    path = Path(path_or_repo).expanduser()
-    if path.is_dir():
-        return path
-    if path.exists():
-        raise FileNotFoundError(f"{path} is a file; pass the Hugging Face model folder that contains it")
-    repo = str(path_or_repo)
-    if not _REPO_ID.match(repo):
-        raise FileNotFoundError(f"{repo}: no such folder, and not a Hugging Face repo id (org/name)")
-    from huggingface_hub import constants, snapshot_download
-    from huggingface_hub.errors import LocalEntryNotFoundError, RepositoryNotFoundError
-
-    try:
-        return Path(snapshot_download(repo_id=repo, allow_patterns=list(allow_patterns)))
-    except RepositoryNotFoundError as err:
-        raise FileNotFoundError(f"Hugging Face repo {repo!r} not found (or gated: log in with `hf auth login`)") from err
-    except LocalEntryNotFoundError as err:
-        how = ("HF_HUB_OFFLINE=1 is set" if constants.HF_HUB_OFFLINE else "the Hub cannot be reached")
-        raise FileNotFoundError(f"Hugging Face repo {repo!r} is not in the local cache ({constants.HF_HUB_CACHE}) "
-                                f"and {how}; download it first (`hf download {repo}`) or pass a local folder") from err
 
 
 class SafetensorsFolder:
@@ -259,7 +221,7 @@ def _check_tensors(files: SafetensorsFolder, config: Qwen2Config) -> dict[str, t
 
 
 def _parameters(model: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
-    from lightning_hybrid.initialization import canonical_name
+    from lightning_hybrid.distributed.init_weights import canonical_name
 
     for raw, param in model.named_parameters():
         yield canonical_name(raw), param
@@ -284,7 +246,7 @@ def load_hf_weights(model: nn.Module, path_or_repo: Union[str, Path], config: Qw
         ValueError: ``config.json`` describes another model, a tensor is missing, extra or of the wrong
             shape, or ``model`` has a parameter that is not a Qwen2 weight.
     """
-    from lightning_hybrid.initialization import _local_region
+    from lightning_hybrid.distributed.init_weights import local_region
 
     read_stats.reset()
     folder = resolve_hf_path(path_or_repo)
@@ -295,7 +257,7 @@ def load_hf_weights(model: nn.Module, path_or_repo: Union[str, Path], config: Qw
             hf = ours_to_hf(name)
             if hf not in expected:  # e.g. lm_head of a model built untied from a tied config
                 raise ValueError(f"parameter {name} of the model has no tensor {hf} in a checkpoint of {config.name!r}")
-            local, shape, offset = _local_region(param)
+            local, shape, offset = local_region(param)
             if shape != expected[hf]:
                 raise ValueError(f"parameter {name} has shape {list(shape)} but tensor {hf} in {folder} has "
                                  f"{list(expected[hf])}")

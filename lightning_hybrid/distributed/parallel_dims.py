@@ -10,12 +10,12 @@ from __future__ import annotations
 import contextlib
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import TYPE_CHECKING, Iterator, Optional
+from typing import TYPE_CHECKING, Any, Iterator, Optional
 
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
 
-__all__ = ["ParallelDims", "divisors", "build_mesh", "MESH_DIMS"]
+__all__ = ["ParallelDims", "divisors", "format_choices", "build_mesh", "new_gloo_group", "tied_embedding_error", "MESH_DIMS"]
 
 MESH_DIMS = ("pp", "dp", "tp")
 
@@ -25,7 +25,8 @@ def divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
 
-def _format_choices(values: list[int]) -> str:
+def format_choices(values: list[int]) -> str:
+    """``"1, 2, 4 or 8"``: the values that would fit, for error messages."""
     return ", ".join(map(str, values[:-1])) + f" or {values[-1]}" if len(values) > 1 else str(values[0])
 
 
@@ -62,7 +63,7 @@ class ParallelDims:
                 fits = [d for d in divisors(world_size)]
                 raise ValueError(
                     f"world size {world_size} is not divisible by tp*pp={tp}*{pp}={tp * pp}; "
-                    f"tp*pp must be one of {_format_choices(fits)}"
+                    f"tp*pp must be one of {format_choices(fits)}"
                 )
             dp = world_size // (tp * pp)
         if tp * pp * dp != world_size:
@@ -73,7 +74,7 @@ class ParallelDims:
         if devices_per_node is not None and tp > devices_per_node and tp % devices_per_node:
             raise ValueError(
                 f"tp={tp} spans nodes unevenly with {devices_per_node} devices per node; use a tp that divides "
-                f"{devices_per_node} ({_format_choices(divisors(devices_per_node))})"
+                f"{devices_per_node} ({format_choices(divisors(devices_per_node))})"
             )
         return cls(tp=tp, pp=pp, dp=dp, world_size=world_size)
 
@@ -86,7 +87,7 @@ class ParallelDims:
         for field, value in tp_divisible.items():
             if value % self.tp:
                 raise ValueError(
-                    f"tp={self.tp} does not divide {field}={value}; use tp in {_format_choices(divisors(value))}"
+                    f"tp={self.tp} does not divide {field}={value}; use tp in {format_choices(divisors(value))}"
                 )
         stages = self.pp * stages_per_rank
         if stages > 1 and num_blocks < stages:
@@ -101,10 +102,31 @@ class ParallelDims:
                 "tp": global_rank % self.tp}
 
 
+def tied_embedding_error(tied: bool, tp: int, stages: int) -> str:
+    """Why a model that ties its embedding to its head cannot run with this tp and number of pipeline stages
+    ('' when it can).
+
+    A vocabulary-sharded (tp>1) embedding and head cannot share one weight, and with pp>1 the first and
+    last stage would both hold it.
+    """
+    if not tied:
+        return ""
+    if tp > 1:
+        return f"tie_word_embeddings=True is not supported with tp={tp}; untie the embeddings or use tp=1"
+    if stages > 1:
+        return (f"tie_word_embeddings=True is not supported with {stages} pipeline stages (the first and last "
+                f"stage would share a weight); untie the embeddings or use pp=1")
+    return ""
+
+
 @contextlib.contextmanager
 def _group_timeout(timeout: Optional[timedelta]) -> Iterator[None]:
-    # DeviceMesh creates its groups with c10d's default timeout (30 min), not the one the default group
-    # was created with; a hung peer must end the others after the strategy's timeout.
+    """Create process groups with ``timeout`` instead of c10d's default (30 min).
+
+    DeviceMesh creates its groups with c10d's module-level default timeout, not the one the default group was
+    created with, and takes no timeout argument; a hung peer must end the others after the strategy's timeout.
+    This sets c10d's private defaults for the duration; ``tests/test_torch_private_apis.py`` fails when they move.
+    """
     import torch.distributed.distributed_c10d as c10d
 
     if timeout is None:
@@ -118,6 +140,23 @@ def _group_timeout(timeout: Optional[timedelta]) -> Iterator[None]:
         c10d.default_pg_timeout, c10d.default_pg_nccl_timeout = saved
 
 
+def new_gloo_group(timeout: Optional[timedelta]) -> Any:
+    """A new gloo group over the whole world (checkpoint and control traffic, apart from training collectives)."""
+    import torch.distributed as dist
+
+    return dist.new_group(backend="gloo", timeout=timeout)
+
+
+def _lightning_names(mesh: "DeviceMesh") -> None:
+    """Let ``mesh["data_parallel"]`` and ``mesh["tensor_parallel"]`` name the dp and tp dimensions.
+
+    DeviceMesh has no public way to alias a dimension; ``_flatten`` of a single dimension registers it under a
+    new name. ``tests/test_torch_private_apis.py`` fails when it moves.
+    """
+    mesh["dp"]._flatten("data_parallel")
+    mesh["tp"]._flatten("tensor_parallel")
+
+
 def build_mesh(dims: ParallelDims, device_type: str, timeout: Optional[timedelta] = None) -> "DeviceMesh":
     """The DeviceMesh ``("pp", "dp", "tp")`` over the default process group, its groups timing out after ``timeout``.
 
@@ -129,6 +168,5 @@ def build_mesh(dims: ParallelDims, device_type: str, timeout: Optional[timedelta
 
     with _group_timeout(timeout):
         mesh = init_device_mesh(device_type, (dims.pp, dims.dp, dims.tp), mesh_dim_names=MESH_DIMS)
-        mesh["dp"]._flatten("data_parallel")
-        mesh["tp"]._flatten("tensor_parallel")
+        _lightning_names(mesh)
     return mesh

@@ -13,12 +13,11 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from lightning_hybrid.models.config import Qwen2Config
-from lightning_hybrid.models.spec import ParallelSpec
+from lightning_hybrid.models.qwen2.config import Qwen2Config
+from lightning_hybrid.models.qwen2.config import parallel_spec
+from lightning_hybrid.models.spec import IGNORE_INDEX, ParallelSpec
 
 __all__ = ["Qwen2", "Qwen2Block", "parameter_init", "RMSNorm", "rotary_tables", "apply_rotary", "IGNORE_INDEX"]
-
-IGNORE_INDEX = -100
 
 
 def parameter_init(config: Qwen2Config, name: str) -> tuple[str, float]:
@@ -162,7 +161,8 @@ class Qwen2(nn.Module):
             ValueError: the config is not supported or the weights do not match it (see
                 :func:`lightning_hybrid.checkpoint.hf.load_hf_weights`).
         """
-        from lightning_hybrid.checkpoint.hf import load_hf_weights, resolve_hf_path  # lazy: keeps models/ light
+        from lightning_hybrid.hub import resolve_hf_path
+        from lightning_hybrid.models.qwen2.hf import load_hf_weights
 
         folder = resolve_hf_path(path)
         config = Qwen2Config.from_hf(folder)
@@ -199,33 +199,5 @@ class Qwen2(nn.Module):
         return parameter_init(self.config, name)
 
     def parallel_spec(self) -> ParallelSpec:
-        """Parts, TP plan and relative costs of this model (see :class:`ParallelSpec`)."""
-        c = self.config
-        kv = c.num_key_value_heads * c.head_dim
-        block_matmul = 2 * c.hidden_size * c.hidden_size + 2 * c.hidden_size * kv + 3 * c.hidden_size * c.intermediate_size
-        head_matmul = c.hidden_size * c.vocab_size
-        return ParallelSpec(
-            embedding="embed_tokens",
-            blocks="layers",
-            norm="norm",
-            head="lm_head",
-            block_plan={
-                "self_attn.q_proj": "colwise",
-                "self_attn.k_proj": "colwise",
-                "self_attn.v_proj": "colwise",
-                "self_attn.o_proj": "rowwise",
-                "mlp.gate_proj": "colwise",
-                "mlp.up_proj": "colwise",
-                "mlp.down_proj": "rowwise",
-            },
-            block_norms=("input_layernorm", "post_attention_layernorm"),
-            block_norm_consumers=("self_attn", "mlp"),
-            block_attention="self_attn",
-            tp_divisible={"num_attention_heads": c.num_attention_heads,
-                          "num_key_value_heads": c.num_key_value_heads},
-            block_cost=1.0,
-            # Forward + backward of the head is a (hidden x vocab) matmul; the embedding does no matmul but
-            # writes a dense (vocab x hidden) gradient and its optimizer update, counted as a third of that.
-            head_cost=head_matmul / block_matmul,
-            embedding_cost=head_matmul / block_matmul / 3,
-        )
+        """Parts, TP plan and relative costs of this model (see :func:`~lightning_hybrid.models.qwen2.config.parallel_spec`)."""
+        return parallel_spec(self.config)

@@ -8,10 +8,10 @@ import math
 import sys
 from typing import Optional
 
-from lightning_hybrid.models.config import PRESETS, Qwen2Config
-from lightning_hybrid.planner import Estimate, Problem, explain, search
-from lightning_hybrid.planner_memory import OPTIMIZERS, PRECISIONS
-from lightning_hybrid.planner_time import (DEFAULT_GPU_MTBF_HOURS, DEFAULT_RESTART_SECONDS, DEFAULT_STORAGE_GBPS,
+from lightning_hybrid.models.qwen2.config import PRESETS, Qwen2Config
+from lightning_hybrid.planner.search import Estimate, Problem, explain, search
+from lightning_hybrid.planner.memory import OPTIMIZERS, PRECISIONS
+from lightning_hybrid.planner.step_time import (DEFAULT_GPU_MTBF_HOURS, DEFAULT_RESTART_SECONDS, DEFAULT_STORAGE_GBPS,
                                            GPUS, Hardware, checkpoint_plan)
 
 __all__ = ["build_parser", "build_problem", "run_plan", "assumptions"]
@@ -219,3 +219,9 @@ def _parse_mesh(text: str) -> tuple[int, int, str]:
     if mode not in ("fsdp", "replicate"):
         raise ValueError(f"--explain mode {mode!r} must be fsdp or replicate")
     return tp, pp, mode
+
+
+if __name__ == "__main__":
+    import sys
+
+    sys.exit(run_plan())

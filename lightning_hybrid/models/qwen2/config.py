@@ -1,6 +1,10 @@
-"""Qwen2 / Qwen2.5 configuration with the published presets.
+"""Qwen2 / Qwen2.5 configuration: the presets, and every fact derived from the sizes alone.
 
-Field names are Hugging Face's, so a ``config.json`` maps one to one onto :class:`Qwen2Config`.
+Field names are Hugging Face's, so a ``config.json`` maps one to one onto :class:`Qwen2Config`. The
+facts the strategy, the planner, the throughput monitor and the Hugging Face adapter all need are
+written here once: the tensors of a block with their shapes and TP split dims
+(:func:`block_tensor_shapes`), model FLOPs per token (:func:`flops_per_token`) and the declared
+parallel structure (:func:`parallel_spec`). None of them builds a model.
 """
 
 from __future__ import annotations
@@ -11,7 +15,20 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional, Union
 
-__all__ = ["Qwen2Config", "PRESETS"]
+from lightning_hybrid.models.spec import ParallelSpec
+
+__all__ = ["Qwen2Config", "PRESETS", "BLOCK_TENSORS", "block_tensor_shapes", "block_matmul_params",
+           "flops_per_token", "parallel_spec"]
+
+# The tensors of one decoder block (names within ``layers.N.``), in the Hugging Face files' order.
+BLOCK_TENSORS = (
+    "self_attn.q_proj.weight", "self_attn.q_proj.bias",
+    "self_attn.k_proj.weight", "self_attn.k_proj.bias",
+    "self_attn.v_proj.weight", "self_attn.v_proj.bias",
+    "self_attn.o_proj.weight",
+    "mlp.gate_proj.weight", "mlp.up_proj.weight", "mlp.down_proj.weight",
+    "input_layernorm.weight", "post_attention_layernorm.weight",
+)
 
 
 @dataclass(frozen=True)
@@ -103,7 +120,7 @@ class Qwen2Config:
         """Read a Hugging Face ``config.json`` (a folder holding one, the file itself, or a Hub repo id).
 
         Both the classic layout (``rope_theta``, ``rope_scaling``) and the newer ``rope_parameters`` are
-        understood. A repo id is resolved with :func:`lightning_hybrid.checkpoint.hf.resolve_hf_path`.
+        understood. A repo id is resolved with :func:`lightning_hybrid.hub.resolve_hf_path`.
 
         Raises:
             FileNotFoundError: no ``config.json`` there.
@@ -114,7 +131,7 @@ class Qwen2Config:
         if file.is_dir():
             file = file / "config.json"
         elif not file.exists() and isinstance(path, str) and path.count("/") == 1:
-            from lightning_hybrid.checkpoint.hf import resolve_hf_path  # lazy: needs huggingface_hub
+            from lightning_hybrid.hub import resolve_hf_path  # lazy: needs huggingface_hub
 
             file = resolve_hf_path(path) / "config.json"
         if not file.is_file():
@@ -197,3 +214,95 @@ PRESETS: dict[str, dict[str, Any]] = {
                         num_attention_heads=64, num_key_value_heads=8, max_position_embeddings=131072,
                         rms_norm_eps=1e-5, tie_word_embeddings=False, **_QWEN25_COMMON),
 }
+
+
+def block_tensor_shapes(config: Qwen2Config) -> dict[str, tuple[tuple[int, ...], Optional[int]]]:
+    """Name within a block -> (global shape, dim that tensor parallelism splits or ``None``), for every tensor.
+
+    Colwise projections (q, k, v, gate, up) split their output rows (dim 0, biases too), rowwise ones
+    (o, down) their input columns (dim 1); norms are replicated.
+    """
+    h, inter = config.hidden_size, config.intermediate_size
+    q, kv = config.num_attention_heads * config.head_dim, config.num_key_value_heads * config.head_dim
+    shapes: dict[str, tuple[tuple[int, ...], Optional[int]]] = {
+        "self_attn.q_proj.weight": ((q, h), 0), "self_attn.q_proj.bias": ((q,), 0),
+        "self_attn.k_proj.weight": ((kv, h), 0), "self_attn.k_proj.bias": ((kv,), 0),
+        "self_attn.v_proj.weight": ((kv, h), 0), "self_attn.v_proj.bias": ((kv,), 0),
+        "self_attn.o_proj.weight": ((h, q), 1),
+        "mlp.gate_proj.weight": ((inter, h), 0), "mlp.up_proj.weight": ((inter, h), 0),
+        "mlp.down_proj.weight": ((h, inter), 1),
+        "input_layernorm.weight": ((h,), None), "post_attention_layernorm.weight": ((h,), None),
+    }
+    return {name: shapes[name] for name in BLOCK_TENSORS}
+
+
+def block_matmul_params(config: Qwen2Config) -> int:
+    """Matmul weights of one block: q and o are ``h x hq``, k and v ``h x hkv`` (GQA), SwiGLU's three ``h x I``."""
+    h = config.hidden_size
+    hq, hkv = config.num_attention_heads * config.head_dim, config.num_key_value_heads * config.head_dim
+    return 2 * h * hq + 2 * h * hkv + 3 * h * config.intermediate_size
+
+
+def flops_per_token(config: Any, seq_len: int, include_head: bool = True) -> float:
+    """Model FLOPs (forward + backward) per trained token of a Qwen2-shaped decoder.
+
+    ``6 * L * (2 * h * hq + 2 * h * hkv + 3 * h * I)  +  6 * h * V  +  12 * L * hq * T`` with
+    ``L`` layers, width ``h``, query width ``hq = heads * head_dim``, key/value width
+    ``hkv = kv_heads * head_dim`` (grouped-query attention), SwiGLU width ``I`` (gate, up and down:
+    3 matrices), vocabulary ``V`` and sequence length ``T``:
+
+    - the first term is ``6 * N`` over the non-embedding matmul weights (q and o are ``h x hq``, k and v
+      ``h x hkv``); biases and norms do no matmul and are left out (under 0.01% of N);
+    - the LM head is counted (``include_head``): it is a real ``h x V`` matmul run for every token,
+      tied to the embedding or not. The embedding lookup does no matmul and is not counted;
+    - attention: ``Q K^T`` and ``softmax . V`` cost ``2 * hq * T`` each per token forward, times 3 with
+      backward. Every query head attends over all ``T`` keys, so GQA does not shrink it, and the causal
+      mask is not halved (the PaLM convention; FlashAttention skips the masked half, so real attention
+      work is about half of this term).
+
+    Args:
+        config: a :class:`Qwen2Config` (or any object with its size fields).
+        seq_len: tokens per sequence.
+        include_head: count the LM head matmul.
+
+    Raises:
+        ValueError: ``seq_len`` is not a positive integer.
+    """
+    if not isinstance(seq_len, int) or isinstance(seq_len, bool) or seq_len < 1:
+        raise ValueError(f"seq_len={seq_len!r} must be a positive integer")
+    layers = config.num_hidden_layers
+    head = config.hidden_size * config.vocab_size if include_head else 0
+    hq = config.num_attention_heads * config.head_dim
+    return float(6 * (layers * block_matmul_params(config) + head) + 12 * layers * hq * seq_len)
+
+
+def parallel_spec(config: Qwen2Config) -> ParallelSpec:
+    """Parts, TP plan and relative costs of a Qwen2 model of ``config`` (see :class:`ParallelSpec`)."""
+    c = config
+    block_matmul = block_matmul_params(c)
+    head_matmul = c.hidden_size * c.vocab_size
+    return ParallelSpec(
+        embedding="embed_tokens",
+        blocks="layers",
+        norm="norm",
+        head="lm_head",
+        block_plan={
+            "self_attn.q_proj": "colwise",
+            "self_attn.k_proj": "colwise",
+            "self_attn.v_proj": "colwise",
+            "self_attn.o_proj": "rowwise",
+            "mlp.gate_proj": "colwise",
+            "mlp.up_proj": "colwise",
+            "mlp.down_proj": "rowwise",
+        },
+        block_norms=("input_layernorm", "post_attention_layernorm"),
+        block_norm_consumers=("self_attn", "mlp"),
+        block_attention="self_attn",
+        tp_divisible={"num_attention_heads": c.num_attention_heads,
+                      "num_key_value_heads": c.num_key_value_heads},
+        block_cost=1.0,
+        # Forward + backward of the head is a (hidden x vocab) matmul; the embedding does no matmul but
+        # writes a dense (vocab x hidden) gradient and its optimizer update, counted as a third of that.
+        head_cost=head_matmul / block_matmul,
+        embedding_cost=head_matmul / block_matmul / 3,
+    )

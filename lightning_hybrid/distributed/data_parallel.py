@@ -17,10 +17,11 @@ if TYPE_CHECKING:
     from torch.distributed import ProcessGroup
     from torch.distributed.device_mesh import DeviceMesh
 
-__all__ = ["DATA_PARALLEL_MODES", "apply_fsdp", "all_reduce_gradients"]
+__all__ = ["DATA_PARALLEL_MODES", "GRADIENT_BUCKET_BYTES", "apply_fsdp", "all_reduce_gradients"]
 
 DATA_PARALLEL_MODES = ("fsdp", "replicate")
-_BUCKET_BYTES = 25 * 1024 * 1024
+# Replicated gradients are all-reduced in buckets of about this size (also the planner's DP message size).
+GRADIENT_BUCKET_BYTES = 25 * 1024 * 1024
 
 
 def apply_fsdp(model: nn.Module, blocks: nn.ModuleDict, dp_mesh: "DeviceMesh", reshard_after_forward: bool = True,
@@ -80,7 +81,7 @@ def all_reduce_gradients(parameters: Iterable[Tensor], group: "ProcessGroup", wo
     for g in grads:
         key = (g.device, g.dtype)
         bucket_list = buckets.setdefault(key, [[]])
-        if sum(t.numel() * t.element_size() for t in bucket_list[-1]) > _BUCKET_BYTES:
+        if sum(t.numel() * t.element_size() for t in bucket_list[-1]) > GRADIENT_BUCKET_BYTES:
             bucket_list.append([])
         bucket_list[-1].append(g)
     for bucket_list in buckets.values():

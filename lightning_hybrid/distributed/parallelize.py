@@ -1,0 +1,193 @@
+"""The one parallelize sequence, and the parallel options it follows.
+
+A declared model (or one pipeline stage of it) is parallelized in a fixed order, the same as
+torchtitan's: tensor parallelism, then activation recompute and ``torch.compile`` per block, then
+FSDP2 over ``dp``, then materialization from the meta device. :class:`ParallelOptions` holds what
+the user chose (validated on construction, so every rank raises alike before any collective);
+:func:`check_options` checks it against the world and the model at setup, still before any collective.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Callable, Optional, Union
+
+import torch
+from torch import nn
+
+from lightning_hybrid.distributed.activation_checkpoint import (ACTIVATION_CHECKPOINTING,
+                                                                apply_activation_checkpointing, compile_blocks,
+                                                                resolve_selective)
+from lightning_hybrid.distributed.data_parallel import DATA_PARALLEL_MODES, apply_fsdp
+from lightning_hybrid.distributed.parallel_dims import ParallelDims
+from lightning_hybrid.distributed.pipeline.schedules import (PP_SCHEDULES, default_microbatches,
+                                                             validate_schedule)
+from lightning_hybrid.distributed.pipeline.split import plan_stages
+from lightning_hybrid.distributed.tensor_parallel import apply_tensor_parallel
+from lightning_hybrid.models.spec import ParallelSpec
+
+if TYPE_CHECKING:
+    from torch.distributed.device_mesh import DeviceMesh
+
+__all__ = ["ParallelOptions", "check_options", "parallelize", "require_meta", "DECLARED_PRECISIONS",
+           "REDUCE_DTYPES", "choice", "positive_int"]
+
+DECLARED_PRECISIONS = ("32-true", "bf16-mixed", "bf16-true")
+REDUCE_DTYPES = {"fp32": torch.float32, "float32": torch.float32, "bf16": torch.bfloat16, "bfloat16": torch.bfloat16}
+
+
+def choice(name: str, value: Any, choices: Any) -> str:
+    """``value`` lower-cased when it is one of ``choices``.
+
+    Raises:
+        ValueError: naming the value and the valid choices.
+    """
+    if not isinstance(value, str) or value.lower() not in choices:
+        raise ValueError(f"{name}={value!r} is not supported; use one of {', '.join(choices)}")
+    return value.lower()
+
+
+def positive_int(name: str, value: Any, allow_none: bool = False) -> None:
+    """Raise ``ValueError`` unless ``value`` is a positive ``int`` (or ``None`` when allowed)."""
+    if value is None and allow_none:
+        return
+    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+        raise ValueError(f"{name}={value!r} must be a positive integer" + (" or None" if allow_none else ""))
+
+
+@dataclass
+class ParallelOptions:
+    """What the user chose for the parallel layout; see :class:`~lightning_hybrid.HybridParallelStrategy`.
+
+    Raises:
+        ValueError: an unknown name or a size that is not a positive integer (on construction).
+    """
+
+    tp: int = 1
+    pp: int = 1
+    dp: Optional[int] = None
+    data_parallel: str = "fsdp"
+    sequence_parallel: bool = False
+    pp_schedule: str = "1f1b"
+    microbatches: Optional[int] = None
+    virtual_stages: int = 1
+    pp_split_points: Optional[Union[list[str], list[int]]] = None
+    activation_checkpointing: str = "none"
+    selective_ac: Union[str, int] = "op"
+    compile: bool = False
+    reduce_dtype: Optional[str] = None
+
+    def __post_init__(self) -> None:
+        for name in ("tp", "pp", "virtual_stages"):
+            positive_int(name, getattr(self, name))
+        positive_int("dp", self.dp, allow_none=True)
+        positive_int("microbatches", self.microbatches, allow_none=True)
+        self.data_parallel = choice("data_parallel", self.data_parallel, DATA_PARALLEL_MODES)
+        self.sequence_parallel = bool(self.sequence_parallel)
+        self.pp_schedule = choice("pp_schedule", self.pp_schedule, PP_SCHEDULES)
+        self.activation_checkpointing = choice("activation_checkpointing", self.activation_checkpointing,
+                                               ACTIVATION_CHECKPOINTING)
+        self.selective_ac = resolve_selective(self.selective_ac)
+        self.compile = bool(self.compile)
+        if self.reduce_dtype is not None:
+            self.reduce_dtype = choice("reduce_dtype", self.reduce_dtype, REDUCE_DTYPES)
+
+    @property
+    def num_microbatches(self) -> int:
+        """Micro-batches per pipeline step: the given value or the schedule's default."""
+        if self.microbatches is not None:
+            return self.microbatches
+        return default_microbatches(self.pp_schedule, self.pp, self.virtual_stages)
+
+    def param_dtype(self, precision: str) -> Optional[torch.dtype]:
+        """Compute dtype of FSDP2's gathered weights: bf16 under ``bf16-mixed`` (the shards stay fp32)."""
+        return torch.bfloat16 if precision == "bf16-mixed" else None
+
+    def reduction_dtype(self, precision: str) -> Optional[torch.dtype]:
+        """Gradient reduction dtype over ``dp``: the given one, fp32 under bf16 precision, else the gradients'."""
+        if self.reduce_dtype is not None:
+            return REDUCE_DTYPES[self.reduce_dtype]
+        return torch.float32 if precision.startswith("bf16") else None
+
+
+def check_options(options: ParallelOptions, world_size: int, devices_per_node: Optional[int],
+                  spec: Optional[ParallelSpec], num_blocks: Optional[int], precision: str,
+                  module_name: str) -> ParallelDims:
+    """All checks of ``options`` against the world and the model that need no collective.
+
+    Identical on every rank, so every rank raises alike before the first collective.
+
+    Args:
+        spec: the module's declared parts, ``None`` for a module that parallelizes itself.
+        num_blocks: the declared model's number of blocks.
+        module_name: the LightningModule's class name, for messages.
+
+    Raises:
+        ValueError: sizes that do not fit the world or the model, or a feature the module cannot use.
+    """
+    dims = ParallelDims.resolve(options.tp, options.pp, options.dp, world_size, devices_per_node=devices_per_node)
+    if spec is not None and precision not in DECLARED_PRECISIONS:
+        raise ValueError(f"precision={precision!r} is not supported for a declared model; "
+                         f"use one of {DECLARED_PRECISIONS}")
+    if spec is None and (options.activation_checkpointing != "none" or options.compile):
+        raise ValueError(f"activation_checkpointing={options.activation_checkpointing!r}/compile={options.compile} "
+                         f"need a LightningModule that declares its blocks (parallel_spec()); a module that "
+                         f"parallelizes itself applies them in its own configure_model")
+    if options.compile and dims.tp > 1 and (options.sequence_parallel or options.activation_checkpointing != "none"):
+        raise ValueError(
+            f"compile=True with tp={dims.tp} and sequence_parallel={options.sequence_parallel}, "
+            f"activation_checkpointing={options.activation_checkpointing!r} trains with wrong gradients on torch "
+            f"{torch.__version__} (measured in lightning-hybrid's equivalence tests); with tp>1 use compile=True "
+            f"only without sequence_parallel and recompute, or compile=False"
+        )
+    if spec is not None and num_blocks is not None:
+        dims.check_model(spec.tp_divisible, num_blocks, options.virtual_stages)
+    elif options.pp > 1:
+        raise ValueError(
+            f"pp={options.pp} needs a LightningModule that declares its model parts and loss "
+            f"(parallel_spec(), num_blocks() and a `model` with loss_sum(); see lightning_hybrid.models.CausalLM); "
+            f"{module_name} does not"
+        )
+    if options.pp > 1:
+        validate_schedule(options.pp_schedule, options.pp, options.virtual_stages, options.num_microbatches)
+        assert spec is not None and num_blocks is not None
+        plan_stages(spec, num_blocks, options.pp * options.virtual_stages, options.pp_split_points)
+    elif options.virtual_stages != 1:
+        raise ValueError(f"virtual_stages={options.virtual_stages} needs pp>1; use virtual_stages=1")
+    return dims
+
+
+def require_meta(model: nn.Module, module_name: str) -> None:
+    """Raise unless ``model`` is still on the meta device (so it can be sharded before it is allocated)."""
+    if not any(p.is_meta for p in model.parameters()):
+        raise ValueError(f"{module_name}.configure_model() built real weights; build the declared model on the "
+                         f"meta device so the strategy can shard it first")
+
+
+def parallelize(module: nn.Module, spec: ParallelSpec, options: ParallelOptions, dims: ParallelDims,
+                mesh: "DeviceMesh", device: torch.device, precision: str,
+                convert_module: Callable[[nn.Module], Any], reshard_after_forward: bool = True) -> None:
+    """TP, then recompute/compile, then FSDP2, then materialization, of a meta-device model or pipeline stage.
+
+    The parameters are allocated (uninitialized) on ``device``; the caller fills them
+    (:func:`lightning_hybrid.distributed.init_weights.init_parameters` or pretrained weights).
+
+    Args:
+        module: the model or one pipeline stage, on the meta device.
+        convert_module: the precision plugin's ``convert_module`` (bf16 storage under ``bf16-true``, cheap on meta).
+        reshard_after_forward: FSDP2's for the blocks; zero-bubble pipeline schedules need ``False``.
+    """
+    convert_module(module)
+    if dims.tp > 1:
+        apply_tensor_parallel(module, spec, mesh["tp"], options.sequence_parallel)
+    blocks = getattr(module, spec.blocks, None)
+    if blocks is not None and len(blocks) > 0:
+        apply_activation_checkpointing(blocks, options.activation_checkpointing, options.selective_ac,
+                                       spec.block_attention)
+        if options.compile:
+            compile_blocks(blocks, parts=spec.block_norm_consumers if dims.tp > 1 else None)
+    if dims.dp > 1 and options.data_parallel == "fsdp":
+        apply_fsdp(module, getattr(module, spec.blocks), mesh["dp"], param_dtype=options.param_dtype(precision),
+                   reduce_dtype=options.reduction_dtype(precision), reshard_after_forward=reshard_after_forward)
+    module.to_empty(device=device)
+

@@ -1,0 +1,1 @@
+"""Pipeline parallelism: schedules (names, rules, bubble), stage split, runner, and stage timing."""

@@ -1,0 +1,204 @@
+"""Pipeline runner: build this rank's stages and schedule, and run a whole per-rank batch through it.
+
+:func:`build_pipeline` splits a declared meta-device model into stages, parallelizes and materializes
+each stage with the one parallelize sequence, and wraps them in a ``torch.distributed.pipelining``
+schedule. :class:`PipelineRunner` runs one training or evaluation step of that schedule.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import TYPE_CHECKING, Any, Callable, Iterator, Optional
+
+import torch
+from torch import Tensor, nn
+
+from lightning_hybrid.distributed.parallel_dims import ParallelDims
+from lightning_hybrid.distributed.parallelize import ParallelOptions, parallelize
+from lightning_hybrid.distributed.pipeline.schedules import (V_SHAPED, ZERO_BUBBLE, last_stage_pp_rank,
+                                                             schedule_class, stage_ids_for_rank, theoretical_bubble)
+from lightning_hybrid.distributed.pipeline.split import build_stages, plan_stages
+from lightning_hybrid.distributed.pipeline.timer import StageTimer
+from lightning_hybrid.models.spec import IGNORE_INDEX, ParallelSpec
+
+if TYPE_CHECKING:
+    from torch.distributed import ProcessGroup
+    from torch.distributed.device_mesh import DeviceMesh
+
+__all__ = ["PipelineRunner", "build_pipeline", "forward_only_order"]
+
+
+@contextlib.contextmanager
+def forward_only_order(schedule: Any, microbatches: int) -> Iterator[None]:
+    """Swap a forward-only action list into a V-shaped schedule (ZBV, DualPipeV) while it evaluates.
+
+    ``eval()`` of ZBV and DualPipeV fails on their fused forward/backward actions
+    (``can't steal_bwd_input if this stage doesn't have backward``), and a second schedule over the same
+    stages corrupted later training. Their runtime runs any lowered action list: every rank runs the
+    forwards of its stages, lowest stage first, all micro-batches each, and torch's lowering adds the
+    sends and receives. This needs torch's private action types and lowering passes (no public API
+    builds a custom order); ``tests/test_torch_private_apis.py`` fails loudly when they change.
+    The training order is restored afterwards.
+    """
+    from torch.distributed.pipelining.schedules import (_Action, _add_send_recv, _add_unshard_reshard,
+                                                        _ComputationType)
+
+    saved = schedule.pipeline_order_with_comms
+    stage_to_rank = dict(schedule.stage_index_to_group_rank)
+    actions = {rank: [_Action(stage, _ComputationType.FORWARD, mb)
+                      for stage in sorted(s for s, r in stage_to_rank.items() if r == rank)
+                      for mb in range(microbatches)]
+               for rank in sorted(set(stage_to_rank.values()))}
+    # Lowered like _prepare_schedule_with_comms does, without its check that every stage runs backward.
+    lowered = {rank: _add_unshard_reshard(ops) for rank, ops in actions.items()}
+    schedule.pipeline_order_with_comms = _add_send_recv(lowered, stage_to_rank=lambda s: stage_to_rank[s],
+                                                        num_stages=schedule._num_stages)
+    try:
+        yield
+    finally:
+        schedule.pipeline_order_with_comms = saved
+
+
+class PipelineRunner:
+    """Runs a whole per-rank batch through the pipeline schedule of this rank's stages.
+
+    Training: forward and backward over all micro-batches (gradients accumulate in the stages'
+    parameters). Evaluation: forward only. Every call returns, on every rank, the global mean loss
+    over the label tokens of the global batch (the last stage computes it, the other stages receive it).
+
+    Args:
+        stages: this rank's ``PipelineStage`` objects (the schedule is built over them here).
+        loss_sum: the model's ``loss_sum(logits, labels) -> (sum, count)``.
+        pp_group / dp_group: process groups of this rank's pipeline and data-parallel peers.
+        schedule_name: one of :data:`~lightning_hybrid.distributed.pipeline.schedules.PP_SCHEDULES`.
+        microbatches: micro-batches per step.
+        dp / pp / virtual_stages: data-parallel size, pipeline size and stages per rank.
+        timer: measures the stages' busy time for the bubble report.
+        container: the module holding this rank's stage parts under their global names (for the
+            optimizer and checkpoints; never called).
+    """
+
+    def __init__(self, stages: list[Any], loss_sum: Callable, schedule_name: str, microbatches: int,
+                 pp_group: "ProcessGroup", dp_group: Optional["ProcessGroup"], dp: int, pp: int,
+                 virtual_stages: int, timer: StageTimer, container: nn.Module) -> None:
+        from torch.distributed.pipelining.schedules import PipelineScheduleSingle
+
+        self.stages = stages
+        self._loss_sum = loss_sum
+        self.schedule_name = schedule_name
+        self.microbatches = microbatches
+        self.pp_group = pp_group
+        self.dp_group = dp_group
+        self.dp = dp
+        self.pp = pp
+        self.virtual_stages = virtual_stages
+        self.timer = timer
+        self.container = container
+        self.last_stage_pp_rank = last_stage_pp_rank(schedule_name, pp)
+        self.is_first = any(s.is_first for s in stages)
+        self.is_last = any(s.is_last for s in stages)
+        self.grad_scale = 1.0  # 1 / accumulate_grad_batches, set by the strategy
+        self._normalizer = torch.ones(())
+        cls = schedule_class(schedule_name)
+        first = stages[0] if issubclass(cls, PipelineScheduleSingle) else stages
+        self.schedule = cls(first, n_microbatches=microbatches, loss_fn=self.loss_fn, scale_grads=False)
+
+    @property
+    def theoretical_bubble(self) -> float:
+        """Idle fraction of a stage in the ideal version of this schedule."""
+        return theoretical_bubble(self.schedule_name, self.pp, self.microbatches, self.virtual_stages)
+
+    def loss_fn(self, output: Tensor, target: Tensor) -> Tensor:
+        """Per micro-batch: its label-token loss sum scaled so the gradient is that of the global token mean."""
+        total, _ = self._loss_sum(output, target)
+        return total * self._normalizer.to(total.device)
+
+    def _dp_sum(self, tensor: Tensor) -> Tensor:
+        import torch.distributed as dist
+
+        if self.dp_group is not None and self.dp > 1:
+            dist.all_reduce(tensor, group=self.dp_group)
+        return tensor
+
+    def _forward_only(self) -> Any:
+        if self.schedule_name in V_SHAPED:
+            return forward_only_order(self.schedule, self.microbatches)
+        return contextlib.nullcontext()
+
+    def logits(self, input_ids: Tensor) -> Optional[Tensor]:
+        """Forward-only pass of a whole batch; the logits on the rank that holds the last stage, else ``None``."""
+        self._check_batch(input_ids)
+        args = (input_ids,) if self.is_first else ()
+        # The schedule computes its loss on the last stage; give it labels that are all ignored.
+        kwargs = {"target": torch.full_like(input_ids, IGNORE_INDEX)} if self.is_last else {}
+        with torch.inference_mode(False), torch.no_grad(), self._forward_only():
+            output = self.schedule.eval(*args, **kwargs)
+        return output if self.is_last else None
+
+    def _check_batch(self, input_ids: Tensor) -> None:
+        if input_ids.shape[0] % self.microbatches:
+            raise ValueError(
+                f"the per-rank batch of {input_ids.shape[0]} sequences does not split into microbatches="
+                f"{self.microbatches}; use a batch size that is a multiple of {self.microbatches} or change microbatches"
+            )
+
+    def __call__(self, input_ids: Tensor, labels: Tensor, train: bool) -> tuple[Tensor, Tensor, Tensor]:
+        """(loss for Lightning, global mean loss, global label-token count), the same on every rank."""
+        import torch.distributed as dist
+
+        self._check_batch(input_ids)
+        device = input_ids.device
+        stats = torch.zeros(2, dtype=torch.float32, device=device)
+        if self.is_last:
+            count = self._dp_sum((labels != IGNORE_INDEX).sum().float().reshape(1))
+            stats[1] = count[0]
+            self._normalizer = self.dp * self.grad_scale / count[0].clamp(min=1.0)
+        losses: list[Tensor] = []
+        args = (input_ids,) if self.is_first else ()
+        kwargs = {"target": labels, "losses": losses} if self.is_last else {}
+        if train:
+            self.timer.start_step()
+            self.schedule.step(*args, **kwargs)
+            self.timer.end_step()
+        else:
+            # Lightning evaluates under inference_mode; stage buffers created there could not be used by a
+            # later training step, so run forward-only under no_grad instead.
+            with torch.inference_mode(False), torch.no_grad(), self._forward_only():
+                self.schedule.eval(*args, **kwargs)
+        if self.is_last:
+            local = torch.stack([l.detach().float() for l in losses]).sum() / self.grad_scale
+            stats[0] = self._dp_sum(local.reshape(1))[0] / self.dp
+        src = dist.get_global_rank(self.pp_group, self.last_stage_pp_rank)
+        dist.broadcast(stats, src=src, group=self.pp_group)
+        return stats[0], stats[0], stats[1]
+
+
+def build_pipeline(model: nn.Module, spec: ParallelSpec, options: ParallelOptions, dims: ParallelDims,
+                   mesh: "DeviceMesh", pp_rank: int, device: torch.device, precision: str,
+                   convert_module: Callable[[nn.Module], Any], num_blocks: int) -> PipelineRunner:
+    """Split a meta-device model into stages, parallelize and materialize this rank's, and build the runner.
+
+    The stages' parameters are allocated but not initialized: fill ``runner.container``.
+
+    Raises:
+        ValueError: split points that do not exist, or a model that ties its embedding to its head.
+    """
+    from torch.distributed.pipelining import PipelineStage
+
+    num_stages = dims.pp * options.virtual_stages
+    plans = plan_stages(spec, num_blocks, num_stages, options.pp_split_points)
+    stage_ids = stage_ids_for_rank(pp_rank, dims.pp, options.virtual_stages, options.pp_schedule)
+    container, modules = build_stages(model, spec, plans, stage_ids)
+    for module in modules:
+        # Zero-bubble schedules run the weight-gradient pass separately and need the gathered weights.
+        parallelize(module, spec, options, dims, mesh, device, precision, convert_module,
+                    reshard_after_forward=options.pp_schedule not in ZERO_BUBBLE)
+    pp_group = mesh["pp"].get_group()
+    stages = [PipelineStage(m, stage_index=i, num_stages=num_stages, device=device, group=pp_group)
+              for m, i in zip(modules, stage_ids)]
+    timer = StageTimer(device)
+    for stage in stages:
+        timer.wrap(stage)
+    return PipelineRunner(stages, model.loss_sum, options.pp_schedule, options.num_microbatches, pp_group,
+                          mesh["dp"].get_group() if dims.dp > 1 else None, dims.dp, dims.pp, options.virtual_stages,
+                          timer, container)

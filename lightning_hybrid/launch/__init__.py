@@ -1,0 +1,1 @@
+"""Launching ``lightning-hybrid`` on local processes with torchrun (shared by the notebooks and the tests)."""

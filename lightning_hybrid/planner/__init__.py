@@ -1,0 +1,1 @@
+"""Planner: memory and step time of every layout, the search, the Young/Daly interval, and the ``plan`` CLI."""
