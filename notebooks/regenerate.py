@@ -83,12 +83,29 @@ def execute(nb: nbformat.NotebookNode, timeout: int = 600) -> nbformat.NotebookN
     return nb
 
 
+def _with_sources_of(committed: nbformat.NotebookNode, built: nbformat.NotebookNode) -> nbformat.NotebookNode:
+    """``committed`` with every cell's source replaced by ``built``'s (same cells, same kinds), outputs kept.
+
+    Raises:
+        ValueError: the cells do not line up (a cell was added, removed or changed kind: execute instead).
+    """
+    kinds = [c.cell_type for c in committed.cells], [c.cell_type for c in built.cells]
+    if kinds[0] != kinds[1]:
+        raise ValueError("the source's cells do not line up with the committed notebook's; regenerate with execution")
+    for old, new in zip(committed.cells, built.cells):
+        old.source = new.source
+    return committed
+
+
 def main(argv: Optional[list[str]] = None) -> int:
     """Regenerate the notebooks named on the command line (all by default); 0 on success."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("names", nargs="*", help="name prefixes, e.g. 01 02 (default: all)")
     parser.add_argument("--no-execute", action="store_true", help="write the cells without running them")
     parser.add_argument("--timeout", type=int, default=600, help="seconds per cell (600)")
+    parser.add_argument("--sources-only", action="store_true",
+                        help="only update the cell sources of the committed notebook, keeping its outputs (for edits "
+                             "that change no output, such as a renamed import path; the cells must line up)")
     args = parser.parse_args(argv)
     sources = sorted(SOURCES.glob("*.py"))
     if args.names:
@@ -99,12 +116,14 @@ def main(argv: Optional[list[str]] = None) -> int:
     for source in sources:
         start = time.perf_counter()
         nb = build(source)
-        if not args.no_execute:
-            execute(nb, args.timeout)
         target = HERE / f"{source.stem}.ipynb"
+        if args.sources_only:
+            nb = _with_sources_of(nbformat.read(target, as_version=4), nb)
+        elif not args.no_execute:
+            execute(nb, args.timeout)
         nbformat.write(nb, target)
         print(f"{target.relative_to(HERE.parent)}: {len(nb.cells)} cells"
-              + ("" if args.no_execute else f", executed in {time.perf_counter() - start:.0f} s"))
+              + ("" if args.no_execute or args.sources_only else f", executed in {time.perf_counter() - start:.0f} s"))
     return 0
 
 

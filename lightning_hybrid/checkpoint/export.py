@@ -158,16 +158,22 @@ def export_hf(checkpoint_dir: Union[str, Path], out_dir: Union[str, Path], dtype
         ValueError: a bad dtype or size, ``out_dir`` not empty, or the checkpoint lacks a tensor of the model
             (or has one of another shape).
     """
-    import torch.distributed.checkpoint as dcp
-    from safetensors.torch import save_file
-    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
-
     if dtype not in EXPORT_DTYPES:
         raise ValueError(f"dtype={dtype!r} is not supported; use one of {', '.join(EXPORT_DTYPES)}")
     out_dtype = EXPORT_DTYPES[dtype]
     limit = parse_size(max_shard_size)
     checkpoint, out = Path(checkpoint_dir), Path(out_dir)
     config, hparams = _read_meta(checkpoint)
+    _prepare_out_dir(out, overwrite)
+    reader = _MetadataOnceReader(str(checkpoint))
+    stored, expected = _check_stored_tensors(reader, checkpoint, config)
+    _write_weights(reader, stored, expected, out, out_dtype, limit)
+    _write_configs(out, config, out_dtype, _import_folder(hparams.get("init_from_hf")))
+    return out
+
+
+def _prepare_out_dir(out: Path, overwrite: bool) -> None:
+    """Create ``out``; an earlier export's weights are removed only with ``overwrite``."""
     if out.exists() and any(out.iterdir()):
         if not overwrite:
             raise ValueError(f"{out} is not empty; choose a new folder or pass --overwrite")
@@ -175,12 +181,20 @@ def export_hf(checkpoint_dir: Union[str, Path], out_dir: Union[str, Path], dtype
             old.unlink()
     out.mkdir(parents=True, exist_ok=True)
 
-    reader = _MetadataOnceReader(str(checkpoint))
+
+def _check_stored_tensors(reader: "_MetadataOnceReader", checkpoint: Path,
+                          config: Qwen2Config) -> tuple[dict[str, Any], dict[str, tuple[int, ...]]]:
+    """(our name -> DCP metadata of the stored model tensors, HF name -> shape the model needs).
+
+    Raises:
+        ValueError: a tensor of the model is missing or has another shape.
+    """
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
     stored = {key[len(_MODEL_PREFIX):]: meta for key, meta in reader.read_metadata().state_dict_metadata.items()
               if key.startswith(_MODEL_PREFIX) and isinstance(meta, TensorStorageMetadata)}
     expected = expected_hf_tensors(config)
-    names = sorted(expected, key=_hf_order)
-    for name in names:
+    for name in sorted(expected, key=_hf_order):
         ours = hf_to_ours(name)
         if ours not in stored:
             raise ValueError(f"checkpoint {checkpoint} has no tensor {_MODEL_PREFIX}{ours}; it is not a complete "
@@ -188,7 +202,17 @@ def export_hf(checkpoint_dir: Union[str, Path], out_dir: Union[str, Path], dtype
         if tuple(stored[ours].size) != expected[name]:
             raise ValueError(f"tensor {_MODEL_PREFIX}{ours} in {checkpoint} has shape {list(stored[ours].size)} but "
                              f"model_config in meta.json expects {list(expected[name])}")
+    return stored, expected
 
+
+def _write_weights(reader: "_MetadataOnceReader", stored: dict[str, Any], expected: dict[str, tuple[int, ...]],
+                   out: Path, out_dtype: torch.dtype, limit: int) -> None:
+    """Stream the tensors into safetensors shards of at most ``limit`` bytes, one tensor in memory at a time,
+    and write the shard index."""
+    import torch.distributed.checkpoint as dcp
+    from safetensors.torch import save_file
+
+    names = sorted(expected, key=_hf_order)
     itemsize = torch.empty((), dtype=out_dtype).element_size()
     sizes = {name: itemsize * int(torch.Size(expected[name]).numel()) for name in names}
     shards = _plan_shards(names, sizes, limit)
@@ -211,7 +235,9 @@ def export_hf(checkpoint_dir: Union[str, Path], out_dir: Union[str, Path], dtype
     index = {"metadata": {"total_size": sum(sizes.values())}, "weight_map": weight_map}
     (out / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
 
-    source = _import_folder(hparams.get("init_from_hf"))
+
+def _write_configs(out: Path, config: Qwen2Config, out_dtype: torch.dtype, source: Optional[Path]) -> None:
+    """``config.json`` and ``generation_config.json``, and the tokenizer files of the folder imported from."""
     base = None
     if source is not None and (source / "config.json").is_file():
         base = json.loads((source / "config.json").read_text())
@@ -227,7 +253,6 @@ def export_hf(checkpoint_dir: Union[str, Path], out_dir: Union[str, Path], dtype
         for name in TOKENIZER_FILES:
             if (source / name).is_file():
                 shutil.copyfile(source / name, out / name)
-    return out
 
 
 def export_main(argv: Optional[Sequence[str]] = None) -> int:
