@@ -10,14 +10,14 @@ import sys
 import pytest
 import torch
 
-from lightning_hybrid.models import Qwen2, Qwen2Config
 from lightning_hybrid.distributed.pipeline.schedules import stage_ids_for_rank
 from lightning_hybrid.distributed.pipeline.split import plan_stages, prune_to_stage
-from lightning_hybrid.planner.cli import run_plan as plan_main
-from lightning_hybrid.planner.search import Problem, explain, rank_memory, search
-from lightning_hybrid.planner.memory import activation_model
+from lightning_hybrid.models import Qwen2, Qwen2Config
 from lightning_hybrid.planner.cli import build_parser, build_problem
-from lightning_hybrid.planner.step_time import checkpoint_plan, young_daly_interval
+from lightning_hybrid.planner.cli import run_plan as plan_main
+from lightning_hybrid.planner.interval import checkpoint_plan, young_daly_interval
+from lightning_hybrid.planner.memory import activation_model
+from lightning_hybrid.planner.search import Problem, explain, rank_memory, search
 
 REFERENCE = "--model qwen2.5-72b --gpus 128 --gpus-per-node 8 --gpu b300 --seq-len 4096".split()
 

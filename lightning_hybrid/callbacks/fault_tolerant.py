@@ -38,7 +38,7 @@ class Preempted(SystemExit):
 
 def suggest_interval(save_seconds: float, mtbf_hours: float) -> float:
     """Young/Daly checkpoint interval in seconds for a save cost and a mean time between failures."""
-    from lightning_hybrid.planner.step_time import young_daly_interval
+    from lightning_hybrid.planner.interval import young_daly_interval
 
     return young_daly_interval(save_seconds, mtbf_hours * 3600.0)[1]
 

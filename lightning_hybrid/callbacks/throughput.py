@@ -5,9 +5,9 @@ and Megatron-LM, so MFU compares with published numbers: ``6 * N`` for the matmu
 per weight and token forward, 4 backward) plus ``12 * L * h * T`` for attention scores and values.
 Recomputed activations are not counted (that would be hardware FLOPs, not model FLOPs).
 
-Peak FLOP/s per device come from :data:`PEAK_FLOPS` (dense, non-sparse datasheet numbers), chosen
-from ``torch.cuda.get_device_name()``; other GPUs fall back to Lightning's table; on CPU the peak is
-the best rate of a few fp32 matmuls measured once per process.
+Peak FLOP/s per device come from :data:`lightning_hybrid.hardware.GPUS` (dense, non-sparse datasheet
+numbers), chosen from ``torch.cuda.get_device_name()``; other GPUs fall back to Lightning's table; on CPU
+the peak is the best rate of a few fp32 matmuls measured once per process.
 """
 
 from __future__ import annotations
@@ -26,74 +26,24 @@ from lightning.fabric.utilities.throughput import Throughput, get_available_flop
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 
 from lightning_hybrid.callbacks.stragglers import StragglerDetector
+from lightning_hybrid.hardware import gpu_from_device_name, normalize_dtype
 from lightning_hybrid.models.qwen2.config import flops_per_token
 
-__all__ = ["ThroughputMonitor", "flops_per_token", "peak_flops", "measure_cpu_peak_flops", "training_state_bytes",
-           "PEAK_FLOPS"]
+__all__ = ["ThroughputMonitor", "flops_per_token", "peak_flops", "measure_cpu_peak_flops", "training_state_bytes"]
 
 GIB = 1024 ** 3
-
-# Dense (non-sparse) peak FLOP/s per GPU from NVIDIA's datasheets; the "with sparsity" numbers are twice these.
-# fp32 is the non-tensor-core rate; tf32 is what fp32 matmuls run at when TF32 is allowed.
-_HOPPER_SXM = {"fp32": 66.9e12, "tf32": 494.7e12, "bf16": 989.4e12, "fp16": 989.4e12, "fp8": 1978.9e12}
-_HOPPER_NVL = {"fp32": 60e12, "tf32": 417.5e12, "bf16": 835.5e12, "fp16": 835.5e12, "fp8": 1670.5e12}
-_BLACKWELL = {"fp32": 75e12, "tf32": 1.125e15, "bf16": 2.25e15, "fp16": 2.25e15, "fp8": 4.5e15}  # HGX B200/B300 / 8
-PEAK_FLOPS: dict[str, dict[str, float]] = {
-    "a100": {"fp32": 19.5e12, "tf32": 156e12, "bf16": 312e12, "fp16": 312e12},
-    "h100 sxm": _HOPPER_SXM,
-    "h100 pcie": {"fp32": 51.2e12, "tf32": 378e12, "bf16": 756e12, "fp16": 756e12, "fp8": 1513e12},
-    "h100 nvl": _HOPPER_NVL,
-    "h200 sxm": _HOPPER_SXM,  # same compute as H100 SXM, more and faster memory
-    "h200 nvl": _HOPPER_NVL,
-    "b200": _BLACKWELL,
-    "b300": _BLACKWELL,  # Blackwell Ultra adds dense fp4, not bf16/fp8: 2.25 PFLOP/s bf16
-    "gb200": {"tf32": 1.25e15, "bf16": 2.5e15, "fp16": 2.5e15, "fp8": 5e15},  # NVL72 / 72
-    "gb300": {"tf32": 1.25e15, "bf16": 2.5e15, "fp16": 2.5e15, "fp8": 5e15},
-}
-DTYPES = ("fp32", "tf32", "bf16", "fp16", "fp8")
-_DTYPE_ALIASES = {"float32": "fp32", "32": "fp32", "32-true": "fp32", "bfloat16": "bf16", "bf16-true": "bf16",
-                  "bf16-mixed": "bf16", "float16": "fp16", "16": "fp16", "16-true": "fp16", "16-mixed": "fp16",
-                  "tfloat32": "tf32", "float8": "fp8", "transformer-engine": "fp8",
-                  "transformer-engine-float16": "fp8"}
-
-
-def normalize_dtype(dtype: str) -> str:
-    """``"bf16"``, ``"fp16"``, ``"fp32"``, ``"tf32"`` or ``"fp8"`` from a dtype or Lightning precision name.
-
-    Raises:
-        ValueError: the name is not known.
-    """
-    key = str(dtype).lower().replace("torch.", "")
-    key = _DTYPE_ALIASES.get(key, key)
-    if key not in DTYPES:
-        raise ValueError(f"dtype={dtype!r} is not known; use one of {', '.join(DTYPES)} (or a Lightning precision)")
-    return key
-
-
-def chip_of(device_name: str) -> Optional[str]:
-    """The :data:`PEAK_FLOPS` key for a ``torch.cuda.get_device_name()`` string, ``None`` when not listed."""
-    name = device_name.lower()
-    for chip in ("gb300", "gb200", "b300", "b200"):  # "gb200" contains "b200": test it first
-        if chip in name:
-            return chip
-    for family in ("h200", "h100"):  # GH200 holds an H200-class GPU
-        if family in name:
-            if "nvl" in name:
-                return f"{family} nvl"
-            if family == "h100" and ("pcie" in name or "hbm2e" in name):
-                return "h100 pcie"
-            return f"{family} sxm"
-    return "a100" if "a100" in name else None
 
 
 def peak_flops(device_name: str, dtype: str) -> Optional[float]:
     """Dense peak FLOP/s of one GPU for a compute dtype, or ``None`` when the GPU or dtype is not listed.
 
+    The figures are :data:`lightning_hybrid.hardware.GPUS`'s.
+
     Raises:
         ValueError: the dtype is not known.
     """
-    chip = chip_of(device_name)
-    return PEAK_FLOPS[chip].get(normalize_dtype(dtype)) if chip is not None else None
+    gpu = gpu_from_device_name(device_name)
+    return gpu.peak.get(dtype) if gpu is not None else None
 
 
 @functools.lru_cache(maxsize=None)

@@ -8,11 +8,17 @@ import math
 import sys
 from typing import Optional
 
+from lightning_hybrid.hardware import GPU, SYSTEM_GPUS
 from lightning_hybrid.models.qwen2.config import PRESETS, Qwen2Config
-from lightning_hybrid.planner.search import Estimate, Problem, explain, search
+from lightning_hybrid.planner.interval import (
+    DEFAULT_GPU_MTBF_HOURS,
+    DEFAULT_RESTART_SECONDS,
+    DEFAULT_STORAGE_GBPS,
+    checkpoint_plan,
+)
 from lightning_hybrid.planner.memory import OPTIMIZERS, PRECISIONS
-from lightning_hybrid.planner.step_time import (DEFAULT_GPU_MTBF_HOURS, DEFAULT_RESTART_SECONDS, DEFAULT_STORAGE_GBPS,
-                                           GPUS, Hardware, checkpoint_plan)
+from lightning_hybrid.planner.search import Estimate, Problem, explain, search
+from lightning_hybrid.planner.step_time import Hardware
 
 __all__ = ["build_parser", "build_problem", "run_plan", "assumptions"]
 
@@ -28,7 +34,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help=f"preset ({', '.join(PRESETS)}) or a folder with a Hugging Face config.json")
     p.add_argument("--gpus", type=int, required=True, help="total GPUs")
     p.add_argument("--gpus-per-node", type=int, default=8, help="GPUs per node; tp stays inside a node (default 8)")
-    p.add_argument("--gpu", default="h100", choices=sorted(GPUS), help="GPU type for the defaults below (h100)")
+    p.add_argument("--gpu", default="h100", choices=sorted(SYSTEM_GPUS), help="GPU type for the defaults below (h100)")
     p.add_argument("--seq-len", type=int, default=4096, help="tokens per sequence (4096)")
     p.add_argument("--global-batch", type=int, default=None,
                    help=f"sequences per optimizer step (default: {DEFAULT_BATCH_TOKENS} tokens / seq-len)")
@@ -73,7 +79,7 @@ def build_problem(args: argparse.Namespace) -> Problem:
         raise ValueError(f"--gpus={args.gpus} is not a whole number of nodes of --gpus-per-node={args.gpus_per_node}; "
                          f"use a multiple of {args.gpus_per_node}")
     config = Qwen2Config.resolve(args.model)
-    hw = Hardware(GPUS[args.gpu], args.gpus, min(args.gpus_per_node, args.gpus),
+    hw = Hardware(SYSTEM_GPUS[args.gpu], args.gpus, min(args.gpus_per_node, args.gpus),
                   compute_efficiency=args.compute_efficiency, link_efficiency=args.link_efficiency)
     hw = hw.with_overrides(args.gpu_memory_gb, args.peak_tflops, args.intra_node_gbps, args.inter_node_gbps)
     batch = args.global_batch or max(1, DEFAULT_BATCH_TOKENS // args.seq_len)
@@ -112,6 +118,13 @@ def assumptions(p: Problem) -> list[str]:
         "pipeline bubble (pp-1)/v micro-batch times of the slowest stage plus warm-up/cool-down point-to-point",
         f"global batch {p.global_batch} sequences x {p.seq_len} tokens; MFU uses 6N + 12 L h s model FLOPs",
     ]
+
+
+def gpu_figures(gpu: GPU) -> dict[str, object]:
+    """The GPU's figures the plan used, as the JSON report lists them (peaks in TFLOP/s)."""
+    return {"name": gpu.name, "memory_gb": gpu.memory_gb, "peak_tflops": gpu.peak_tflops,
+            "fp32_tflops": gpu.fp32_tflops, "nvlink_gbs": gpu.nvlink_gbs, "network_gbits": gpu.network_gbits,
+            "hbm_tbs": gpu.hbm_tbs, "nvlinks": gpu.nvlinks, "pcie_gen": gpu.pcie_gen}
 
 
 def _gb(x: float) -> str:
@@ -177,7 +190,7 @@ def run_plan(argv: Optional[list[str]] = None) -> int:
         checkpoint = checkpoint_plan(top.checkpoint_bytes, p.hw.gpus, top.time["step"], args.save_seconds,
                                      args.mtbf_hours, restart_seconds=args.restart_seconds)
     if args.json:
-        doc = {"model": p.config.to_dict(), "gpus": p.hw.gpus, "gpus_per_node": gpn, "gpu": vars(p.hw.gpu),
+        doc = {"model": p.config.to_dict(), "gpus": p.hw.gpus, "gpus_per_node": gpn, "gpu": gpu_figures(p.hw.gpu),
                "seq_len": p.seq_len, "global_batch": p.global_batch, "precision": p.precision,
                "optimizer": p.optimizer, "assumptions": assumptions(p),
                "layouts": [e.to_dict() for e in feasible], "feasible_count": len(feasible),

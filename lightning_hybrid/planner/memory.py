@@ -4,14 +4,15 @@ Parameters, gradients and optimizer states are computed tensor by tensor with th
 strategy applies, so they agree exactly with what a rank allocates:
 
 * tensor parallel (``tp > 1``): q/k/v/gate/up weights and the q/k/v biases are split on dim 0,
-  o/down weights on dim 1, the embedding and the LM head over the vocabulary (dim 0); norms are
-  replicated. DTensor splits with ``torch.chunk`` semantics (``ceil(n / tp)`` per rank, the last
-  ranks may get fewer).
+  o/down weights on dim 1 (the block's tensors and split dims are the model's
+  :func:`~lightning_hybrid.models.qwen2.config.block_tensor_shapes`), the embedding and the LM head over
+  the vocabulary (dim 0); norms are replicated. DTensor splits with ``torch.chunk`` semantics
+  (``ceil(n / tp)`` per rank, the last ranks may get fewer).
 * FSDP2 over ``dp``: every (TP-local) parameter is split on dim 0 into chunks of ``ceil(n / dp)`` rows,
   again with ``torch.chunk`` semantics (a rank may hold 0 rows). ``replicate`` keeps full copies.
 * pipeline: stages hold contiguous blocks split as the strategy does
-  (:func:`lightning_hybrid.pipeline.plan_stages`); stage 0 also holds the embedding, the last stage the
-  final norm and the head. A rank holds ``virtual_stages`` stages (``r, r + pp, ...``, or ``r, 2pp-1-r``
+  (:func:`lightning_hybrid.distributed.pipeline.split.plan_stages`); stage 0 also holds the embedding, the
+  last stage the final norm and the head. A rank holds ``virtual_stages`` stages (``r, r + pp, ...``, or ``r, 2pp-1-r``
   for V-shaped schedules).
 * gradients are shaped like the local parameters, except that torch's vocabulary-parallel embedding
   produces a full-vocabulary (Replicate) gradient on every TP rank when FSDP does not shard it.
@@ -32,17 +33,15 @@ from __future__ import annotations
 
 import functools
 import math
-import types
 from dataclasses import dataclass
 from typing import Optional, Sequence
 
-from lightning_hybrid.models.qwen2.config import Qwen2Config
+from lightning_hybrid.distributed.parallel_dims import tied_embedding_error
+from lightning_hybrid.models.qwen2.config import Qwen2Config, block_tensor_shapes, parallel_spec
 
 __all__ = ["Precision", "PRECISIONS", "OPTIMIZERS", "RECOMPUTE", "split_blocks", "rank_stages",
            "rank_parameter_shapes", "chunk_rows", "rank_memory", "ActivationModel", "activation_model",
-           "inflight_microbatches", "stage_costs"]
-
-GB = 1e9
+           "inflight_microbatches"]
 
 
 @dataclass(frozen=True)
@@ -96,22 +95,10 @@ def chunk_rows(n: int, parts: int, index: int) -> int:
 # ----------------------------------------------------------------------------- pipeline stages
 
 
-def _spec(config: Qwen2Config):
-    from lightning_hybrid.models.qwen2.model import Qwen2
-
-    # parallel_spec() reads only self.config; calling it unbound avoids building the model.
-    return Qwen2.parallel_spec(types.SimpleNamespace(config=config))  # type: ignore[arg-type]
-
-
-def stage_costs(config: Qwen2Config) -> tuple[float, float, float]:
-    """(block, embedding, head) relative costs, as the model declares them for pipeline balancing."""
-    spec = _spec(config)
-    return spec.block_cost, spec.embedding_cost, spec.head_cost
-
-
 @functools.lru_cache(maxsize=4096)
 def split_blocks(config: Qwen2Config, num_stages: int) -> tuple[int, ...]:
-    """Block counts per stage, as the strategy splits them (:func:`lightning_hybrid.pipeline.plan_stages`).
+    """Block counts per stage, as the strategy splits them
+    (:func:`lightning_hybrid.distributed.pipeline.split.plan_stages`).
 
     Raises:
         ValueError: more stages than blocks.
@@ -120,7 +107,7 @@ def split_blocks(config: Qwen2Config, num_stages: int) -> tuple[int, ...]:
 
     if num_stages == 1:
         return (config.num_hidden_layers,)
-    return tuple(p.num_blocks for p in plan_stages(_spec(config), config.num_hidden_layers, num_stages))
+    return tuple(p.num_blocks for p in plan_stages(parallel_spec(config), config.num_hidden_layers, num_stages))
 
 
 def rank_stages(pp: int, virtual_stages: int = 1, style: str = "loop") -> list[list[int]]:
@@ -145,36 +132,28 @@ def _tp_local(shape: tuple[int, ...], dim: Optional[int], tp: int, tp_rank: int)
 
 
 def rank_parameter_shapes(config: Qwen2Config, tp: int, tp_rank: int, blocks: Sequence[int],
-                          embedding: bool, head: bool) -> dict[str, tuple[int, ...]]:
+                          embedding: bool, head: bool, num_stages: Optional[int] = None) -> dict[str, tuple[int, ...]]:
     """TP-local shapes of the parameters a rank holds, by their (global) parameter names.
 
     A tied embedding held together with the head is listed once, under ``embed_tokens.weight``.
+    ``num_stages`` (pipeline stages of the whole model) is for the tied-embedding check; ``None`` assumes
+    one stage when the rank holds both the embedding and the head or neither, else two.
 
     Raises:
-        ValueError: ``tie_word_embeddings`` with ``tp > 1`` (the strategy refuses it too).
+        ValueError: ``tie_word_embeddings`` with ``tp > 1`` or several pipeline stages (the strategy refuses
+            them too, with the same message).
     """
     c = config
-    if c.tie_word_embeddings and tp > 1:
-        raise ValueError(f"tie_word_embeddings=True is not supported with tp={tp}; use tp=1 or untie the embeddings")
-    if c.tie_word_embeddings and embedding != head:
-        raise ValueError("tie_word_embeddings=True is not supported with pp>1 (the first and last stage would share "
-                         "a weight); use pp=1 or untie the embeddings")
-    h, q, kv, inter = c.hidden_size, c.num_attention_heads * c.head_dim, c.num_key_value_heads * c.head_dim, \
-        c.intermediate_size
+    stages = num_stages if num_stages is not None else (1 if embedding == head else 2)
+    tied_error = tied_embedding_error(c.tie_word_embeddings, tp, stages)
+    if tied_error:
+        raise ValueError(tied_error)
+    h = c.hidden_size
     vocab_dim = 0 if tp > 1 else None
     shapes: dict[str, tuple[int, ...]] = {}
     if embedding:
         shapes["embed_tokens.weight"] = _tp_local((c.vocab_size, h), vocab_dim, tp, tp_rank)
-    block_shapes = {  # name -> (global shape, TP split dim)
-        "input_layernorm.weight": ((h,), None),
-        "self_attn.q_proj.weight": ((q, h), 0), "self_attn.q_proj.bias": ((q,), 0),
-        "self_attn.k_proj.weight": ((kv, h), 0), "self_attn.k_proj.bias": ((kv,), 0),
-        "self_attn.v_proj.weight": ((kv, h), 0), "self_attn.v_proj.bias": ((kv,), 0),
-        "self_attn.o_proj.weight": ((h, q), 1),
-        "post_attention_layernorm.weight": ((h,), None),
-        "mlp.gate_proj.weight": ((inter, h), 0), "mlp.up_proj.weight": ((inter, h), 0),
-        "mlp.down_proj.weight": ((h, inter), 1),
-    }
+    block_shapes = block_tensor_shapes(c)  # name -> (global shape, TP split dim)
     for i in blocks:
         for name, (shape, dim) in block_shapes.items():
             shapes[f"layers.{i}.{name}"] = _tp_local(shape, dim, tp, tp_rank)
@@ -216,8 +195,9 @@ def rank_memory(config: Qwen2Config, tp: int, pp: int, dp: int, data_parallel: s
 
     Returns:
         ``param_numel``, ``grad_numel``, ``param_tensors``, ``param_bytes``, ``grad_bytes``,
-        ``optimizer_bytes`` (states plus step scalars), ``optimizer_state_numel``, ``stage_param_numel`` (TP-local, before dp sharding: what
-        FSDP gathers), ``matmul_param_numel`` (the part of it that feeds matmuls) and ``blocks``.
+        ``optimizer_bytes`` (states plus step scalars), ``optimizer_state_numel``, ``stage_param_numel``
+        (TP-local, before dp sharding: what FSDP gathers), ``matmul_param_numel`` (the part of it that feeds
+        matmuls) and ``blocks``.
 
     Raises:
         ValueError: a coordinate is out of range, or the stages do not cover the blocks.
@@ -229,14 +209,10 @@ def rank_memory(config: Qwen2Config, tp: int, pp: int, dp: int, data_parallel: s
     prec = PRECISIONS[_choice("precision", precision, tuple(PRECISIONS))]
     states, has_step = OPTIMIZERS[_choice("optimizer", optimizer, tuple(OPTIMIZERS))]
     num_stages = pp * virtual_stages
-    counts = tuple(stage_blocks) if stage_blocks is not None else split_blocks(config, num_stages)
-    if len(counts) != num_stages or sum(counts) != config.num_hidden_layers or min(counts) < 0:
-        raise ValueError(f"stage_blocks={list(counts)} must be {num_stages} counts summing to "
-                         f"{config.num_hidden_layers} blocks")
-    starts = [sum(counts[:s]) for s in range(num_stages)]
-    mine = rank_stages(pp, virtual_stages, stage_style)[stage_index]
-    blocks = [b for s in mine for b in range(starts[s], starts[s] + counts[s])]
-    shapes = rank_parameter_shapes(config, tp, tp_rank, blocks, embedding=0 in mine, head=num_stages - 1 in mine)
+    mine, blocks = _rank_blocks(config, pp, virtual_stages, stage_index, stage_style, stage_blocks)
+    holds_head = num_stages - 1 in mine
+    shapes = rank_parameter_shapes(config, tp, tp_rank, blocks, embedding=0 in mine, head=holds_head,
+                                   num_stages=num_stages)
     fsdp = mode == "fsdp" and dp > 1
     numel = sum(_dp_local_numel(shape, dp, dp_rank, fsdp) for shape in shapes.values())
     grad_numel = numel
@@ -253,13 +229,36 @@ def rank_memory(config: Qwen2Config, tp: int, pp: int, dp: int, data_parallel: s
         "optimizer_state_numel": numel * states,
         "optimizer_bytes": numel * states * prec.state + (len(shapes) * _STEP_BYTES if has_step else 0),
         "stage_param_numel": sum(_numel(shape) for shape in shapes.values()),
-        # weights and biases that feed a matmul (what autocast copies): all but the norms and the embedding lookup
-        "matmul_param_numel": sum(_numel(shape) for name, shape in shapes.items()
-                                  if not name.endswith("norm.weight") and not (
-                                      name == "embed_tokens.weight" and not (config.tie_word_embeddings and
-                                                                             num_stages - 1 in mine))),
+        "matmul_param_numel": _matmul_numel(config, shapes, holds_head),
         "blocks": len(blocks),
     }
+
+
+def _rank_blocks(config: Qwen2Config, pp: int, virtual_stages: int, stage_index: int, stage_style: str,
+                 stage_blocks: Optional[Sequence[int]]) -> tuple[list[int], list[int]]:
+    """(stage indices, block indices) that pipeline rank ``stage_index`` holds.
+
+    Raises:
+        ValueError: ``stage_blocks`` does not give one count per stage covering every block.
+    """
+    num_stages = pp * virtual_stages
+    counts = tuple(stage_blocks) if stage_blocks is not None else split_blocks(config, num_stages)
+    if len(counts) != num_stages or sum(counts) != config.num_hidden_layers or min(counts) < 0:
+        raise ValueError(f"stage_blocks={list(counts)} must be {num_stages} counts summing to "
+                         f"{config.num_hidden_layers} blocks")
+    starts = [sum(counts[:s]) for s in range(num_stages)]
+    mine = rank_stages(pp, virtual_stages, stage_style)[stage_index]
+    return mine, [b for s in mine for b in range(starts[s], starts[s] + counts[s])]
+
+
+def _matmul_numel(config: Qwen2Config, shapes: dict[str, tuple[int, ...]], holds_head: bool) -> int:
+    """Elements of the weights and biases that feed a matmul (what autocast copies).
+
+    All but the norms and the embedding, whose lookup is no matmul, unless it is tied to the head held here.
+    """
+    embedding_is_head = config.tie_word_embeddings and holds_head
+    return sum(_numel(shape) for name, shape in shapes.items()
+               if not name.endswith("norm.weight") and (name != "embed_tokens.weight" or embedding_is_head))
 
 
 # ----------------------------------------------------------------------------- activations

@@ -14,14 +14,24 @@ from __future__ import annotations
 import functools
 import math
 from dataclasses import asdict, dataclass, field
-from typing import Optional
+from typing import Iterator, Optional
 
-from lightning_hybrid.distributed.parallel_dims import divisors
-from lightning_hybrid.models.qwen2.config import Qwen2Config
+from lightning_hybrid.distributed.data_parallel import GRADIENT_BUCKET_BYTES
+from lightning_hybrid.distributed.parallel_dims import divisors, tied_embedding_error
 from lightning_hybrid.distributed.pipeline.schedules import validate_schedule
-from lightning_hybrid.planner.memory import (PRECISIONS, RECOMPUTE, activation_model,
-                                             inflight_microbatches, rank_memory, rank_parameter_shapes, rank_stages,
-                                             split_blocks)
+from lightning_hybrid.models.qwen2.config import Qwen2Config, flops_per_token
+from lightning_hybrid.planner.memory import (
+    PRECISIONS,
+    RECOMPUTE,
+    ActivationModel,
+    Precision,
+    activation_model,
+    inflight_microbatches,
+    rank_memory,
+    rank_parameter_shapes,
+    rank_stages,
+    split_blocks,
+)
 from lightning_hybrid.planner.step_time import Hardware, collective_seconds
 
 __all__ = ["Layout", "Estimate", "estimate", "search", "explain", "rank_memory"]
@@ -30,6 +40,21 @@ __all__ = ["Layout", "Estimate", "estimate", "search", "explain", "rank_memory"]
 PIPELINE_SCHEDULES = (("1f1b", 1), ("interleaved_1f1b", 2), ("interleaved_1f1b", 4))
 MICRO_BATCH_SIZES = (1, 2, 4, 8, 16)
 SELECTIVE_OVERHEAD = 1.03  # recomputing norms, rotary and SiLU costs ~3% of a block's time
+FULL_RECOMPUTE_FLOPS = 4 / 3  # full recompute runs the forward (2 of the 6 FLOPs per weight) twice: 8/6
+# A matmul whose smallest dimension is x reaches x / (x + SMALL_MATMUL_KNEE) of the large-matmul efficiency
+# (half of it at x = 128): small matmuls cannot keep the GPU busy.
+SMALL_MATMUL_KNEE = 128
+# TP all-reduces of the activations per block and micro-batch: attention and MLP outputs forward, their input
+# gradients backward; full recompute repeats the two forward ones.
+TP_ALL_REDUCES_PER_BLOCK = 4
+TP_ALL_REDUCES_PER_BLOCK_FULL_RECOMPUTE = 6
+FSDP_BLOCKS_IN_FLIGHT = 2  # without a pipeline, the running block and the prefetched one are gathered
+P2P_PER_BOUNDARY = 2  # warm-up sends activations forward, cool-down sends their gradients back
+# Memory passes of one AdamW step per parameter element: the parameter is read and written, the gradient
+# read, exp_avg and exp_avg_sq read and written and foreach's sqrt(exp_avg_sq) temporary written and read.
+OPTIMIZER_PARAM_PASSES = 2
+OPTIMIZER_GRAD_PASSES = 1
+OPTIMIZER_STATE_PASSES = 6
 
 
 @dataclass(frozen=True)
@@ -48,6 +73,7 @@ class Layout:
     sequence_parallel: bool = False
 
     def describe(self) -> str:
+        """One line naming every choice, as the explanations print it."""
         mode = self.data_parallel if self.dp > 1 else "none"
         sched = self.schedule if self.pp > 1 else "-"
         if self.virtual_stages > 1:
@@ -72,9 +98,11 @@ class Estimate:
 
     @property
     def fits(self) -> bool:
+        """Whether the layout can run and its fullest rank fits in the usable memory."""
         return not self.reason and self.memory["total"] <= self.usable
 
     def to_dict(self) -> dict:
+        """The estimate in GB and seconds, as the JSON report prints it."""
         return {"layout": asdict(self.layout), "fits": self.fits, "reason": self.reason or None,
                 "memory_gb": {k: v / 1e9 for k, v in self.memory.items()}, "usable_gb": self.usable / 1e9,
                 "worst_pp_rank": self.worst_stage, "time_s": self.time, "mfu": self.mfu,
@@ -94,31 +122,21 @@ class Problem:
     schedules: tuple = field(default=PIPELINE_SCHEDULES)
 
 
-def _block_matmul_params(c: Qwen2Config) -> int:
-    q, kv = c.num_attention_heads * c.head_dim, c.num_key_value_heads * c.head_dim
-    return 2 * c.hidden_size * q + 2 * c.hidden_size * kv + 3 * c.hidden_size * c.intermediate_size
-
-
-def model_flops_per_token(c: Qwen2Config, seq_len: int) -> float:
-    """Training FLOPs per token: ``6 N + 12 L q s`` (N: matmul parameters incl. the head; PaLM convention)."""
-    n = c.num_hidden_layers * _block_matmul_params(c) + c.hidden_size * c.vocab_size
-    return 6 * n + 12 * c.num_hidden_layers * c.num_attention_heads * c.head_dim * seq_len
-
-
-def _layout_reason(p: Problem, tp: int, pp: int, dp: int, v: int) -> str:
+def _layout_reason(problem: Problem, tp: int, pp: int, dp: int, virtual_stages: int) -> str:
     """Why a mesh cannot run this model at all ('' when it can)."""
-    c = p.config
-    if tp > p.hw.gpus_per_node:
-        return f"tp={tp} leaves the node ({p.hw.gpus_per_node} GPUs per node)"
+    config, num_stages = problem.config, pp * virtual_stages
+    if tp > problem.hw.gpus_per_node:
+        return f"tp={tp} leaves the node ({problem.hw.gpus_per_node} GPUs per node)"
     for name in ("num_attention_heads", "num_key_value_heads"):
-        if getattr(c, name) % tp:
-            return f"tp={tp} does not divide {name}={getattr(c, name)}"
-    if c.tie_word_embeddings and (tp > 1 or pp > 1):
-        return "tied embeddings are not supported with tp>1 or pp>1"
-    if pp * v > c.num_hidden_layers:
-        return f"pp*virtual_stages={pp * v} exceeds {c.num_hidden_layers} blocks"
-    if p.global_batch % dp:
-        return f"global batch {p.global_batch} is not divisible by dp={dp}"
+        if getattr(config, name) % tp:
+            return f"tp={tp} does not divide {name}={getattr(config, name)}"
+    tied = tied_embedding_error(config.tie_word_embeddings, tp, num_stages)
+    if tied:
+        return tied
+    if num_stages > config.num_hidden_layers:
+        return f"pp*virtual_stages={num_stages} exceeds {config.num_hidden_layers} blocks"
+    if problem.global_batch % dp:
+        return f"global batch {problem.global_batch} is not divisible by dp={dp}"
     return ""
 
 
@@ -139,122 +157,221 @@ def _block_numel(config: Qwen2Config, tp: int) -> int:
     return sum(math.prod(s) for s in shapes.values())
 
 
-def estimate(p: Problem, layout: Layout) -> Estimate:
-    """Memory and step time of ``layout`` for problem ``p`` (memory of the fullest pipeline rank)."""
-    c, hw, L = p.config, p.hw, layout
-    prec = PRECISIONS[p.precision]
-    tokens = L.micro_batch_size * p.seq_len
-    act = activation_model(c, L.tp, L.sequence_parallel, L.recompute, p.precision, p.seq_len)
-    stages = rank_stages(L.pp, L.virtual_stages)
-    counts = split_blocks(c, L.pp * L.virtual_stages)
-    last = L.pp * L.virtual_stages - 1
-    fsdp = L.data_parallel == "fsdp" and L.dp > 1
-    mode = "fsdp" if fsdp else "replicate"
-    td = L.tp * L.dp
-    dp_inter = _spans_nodes([d * L.tp for d in range(L.dp)], hw.gpus_per_node)
-    # pipeline neighbours are tp*dp ranks apart; the slowest boundary sets the pace
-    pp_inter = any(i // hw.gpus_per_node != (i + td) // hw.gpus_per_node for i in range((L.pp - 1) * td))
-    peak = hw.peak_flops(p.precision)
-    size = min(tokens, c.hidden_size // L.tp, c.intermediate_size // L.tp)
-    eff = hw.compute_efficiency * size / (size + 128)
-    tp_bw, tp_lat = hw.bus_bandwidth(False), hw.latency(False)
-    block_flops = (6 * _block_matmul_params(c) + 12 * c.num_attention_heads * c.head_dim * p.seq_len)
-    if L.recompute == "full":
-        block_flops *= 4 / 3
-    head_flops = 6 * c.hidden_size * c.vocab_size
-    ar = functools.partial(collective_seconds, ranks=L.tp, bus_bandwidth=tp_bw, latency=tp_lat)
-    block_tp = (6 if L.recompute == "full" else 4) * ar("all_reduce", tokens * c.hidden_size * prec.compute)
+# ----------------------------------------------------------------------------- estimate
 
-    worst, worst_stage, stage_times = None, 0, []
-    for r in range(L.pp):
-        mem = _rank_memory(c, L.tp, L.pp, L.dp, mode, r, p.precision, p.optimizer, L.virtual_stages)
-        inflight = inflight_microbatches(L.schedule, L.pp, L.virtual_stages, L.microbatches, r)
-        held = sum(n * (counts[s] * act.layer + (act.embedding if s == 0 else 0) + (act.head if s == last else 0))
-                   for n, s in zip(inflight, stages[r])) * tokens
-        has_head = last in stages[r]
-        working = max(act.layer_working, act.loss_working if has_head else 0.0) * tokens
-        gathered = mem["stage_param_numel"] * prec.param
-        if fsdp and L.pp > 1:  # torch's schedules keep the stage unsharded (params and grads) through the step
-            fsdp_buffers = gathered + mem["stage_param_numel"] * prec.grad
-        elif fsdp:  # the root unit (embedding, norm, head) stays gathered; two blocks in flight with prefetch
-            block = _block_numel(c, L.tp) * prec.param
-            fsdp_buffers = gathered - block * mem["blocks"] + 2 * block
-        else:
-            fsdp_buffers = 50e6 if L.dp > 1 else 0.0  # the all-reduce buckets
-        # autocast's low-precision weight copies are saved for backward unless the block is recomputed
-        # (then only the recomputed block's copies exist, counted with its working set)
-        autocast = mem["matmul_param_numel"] * prec.autocast_copy
-        if L.recompute != "none":
-            autocast = (autocast - mem["blocks"] * _block_numel(c, L.tp) * prec.autocast_copy
-                        + _block_numel(c, L.tp) * prec.autocast_copy)
-        optimizer_temp = mem["param_numel"] * prec.state  # foreach AdamW's sqrt(exp_avg_sq) temporary
-        static = mem["param_bytes"] + mem["grad_bytes"] + mem["optimizer_bytes"]
-        extra = held + working + fsdp_buffers + autocast
-        memory = {"weights": mem["param_bytes"], "gradients": mem["grad_bytes"], "optimizer": mem["optimizer_bytes"],
-                  "activations": held, "working": working, "fsdp_buffers": fsdp_buffers, "autocast_copies": autocast,
-                  "total": static + max(extra, optimizer_temp)}
-        if worst is None or memory["total"] > worst[0]["total"]:
-            worst, worst_stage = (memory, mem), r
-        flops = sum(counts[s] * block_flops + (head_flops if s == last else 0) for s in stages[r]) * tokens / L.tp
-        if L.recompute == "selective":
-            flops *= SELECTIVE_OVERHEAD
-        tp_time = 0.0
-        if L.tp > 1:
-            tp_time = sum(counts[s] for s in stages[r]) * block_tp
-            if 0 in stages[r]:
-                tp_time += ar("all_reduce", tokens * c.hidden_size * prec.residual)
-            if has_head:
-                tp_time += ar("all_gather", tokens * c.vocab_size * prec.compute)
-                tp_time += ar("all_reduce", tokens * c.hidden_size * prec.compute)
-        stage_times.append((flops / (peak * eff), tp_time, mem))
-    assert worst is not None
-    memory, _ = worst
 
-    m = L.microbatches
-    slowest = max(range(L.pp), key=lambda r: stage_times[r][0] + stage_times[r][1])
-    compute_mb, tp_mb, mem = stage_times[slowest]
-    dp_bw, dp_lat = hw.bus_bandwidth(dp_inter), hw.latency(dp_inter)
-    stage_bytes = mem["stage_param_numel"] * prec.param
-    if L.dp == 1:
-        dp_time = 0.0
-    elif not fsdp:
-        dp_time = collective_seconds("all_reduce", mem["grad_numel"] * prec.grad, L.dp, dp_bw, dp_lat)
-    elif L.pp > 1:
-        dp_time = (collective_seconds("all_gather", stage_bytes, L.dp, dp_bw, dp_lat)
-                   + collective_seconds("reduce_scatter", mem["stage_param_numel"] * prec.grad, L.dp, dp_bw, dp_lat))
-    else:
-        per_mb = (2 * collective_seconds("all_gather", stage_bytes, L.dp, dp_bw, dp_lat)
-                  + collective_seconds("reduce_scatter", mem["stage_param_numel"] * prec.grad, L.dp, dp_bw, dp_lat))
-        first_unit = collective_seconds("all_gather", _block_numel(c, L.tp) * prec.param, L.dp, dp_bw, dp_lat)
-        dp_time = m * max(0.0, per_mb - compute_mb) + first_unit
+@dataclass(frozen=True)
+class _LayoutShape:
+    """What every pipeline rank of a layout shares."""
+
+    tokens: int  # tokens per micro-batch
+    activations: ActivationModel
+    rank_stages: list[list[int]]  # stage indices per pipeline rank
+    stage_blocks: tuple[int, ...]  # blocks per stage
+    last_stage: int
+    fsdp: bool  # FSDP over dp > 1 (else replication or no data parallelism)
+    precision: Precision
+
+
+@dataclass(frozen=True)
+class _RankCost:
+    """One pipeline rank: its memory breakdown, rank_memory's figures and its times per micro-batch."""
+
+    memory: dict[str, float]
+    state: dict[str, int]
+    compute_seconds: float
+    tp_seconds: float
+
+
+def _layout_shape(problem: Problem, layout: Layout) -> _LayoutShape:
+    num_stages = layout.pp * layout.virtual_stages
+    activations = activation_model(problem.config, layout.tp, layout.sequence_parallel, layout.recompute,
+                                   problem.precision, problem.seq_len)
+    return _LayoutShape(tokens=layout.micro_batch_size * problem.seq_len, activations=activations,
+                        rank_stages=rank_stages(layout.pp, layout.virtual_stages),
+                        stage_blocks=split_blocks(problem.config, num_stages), last_stage=num_stages - 1,
+                        fsdp=layout.data_parallel == "fsdp" and layout.dp > 1,
+                        precision=PRECISIONS[problem.precision])
+
+
+def _held_activation_bytes(layout: Layout, shape: _LayoutShape, pp_rank: int) -> float:
+    """Activations a pipeline rank holds at its peak: its in-flight micro-batches on each of its stages."""
+    act, counts = shape.activations, shape.stage_blocks
+    inflight = inflight_microbatches(layout.schedule, layout.pp, layout.virtual_stages, layout.microbatches, pp_rank)
+    return sum(n * (counts[s] * act.layer + (act.embedding if s == 0 else 0)
+                    + (act.head if s == shape.last_stage else 0))
+               for n, s in zip(inflight, shape.rank_stages[pp_rank])) * shape.tokens
+
+
+def _data_parallel_buffer_bytes(config: Qwen2Config, layout: Layout, shape: _LayoutShape,
+                                state: dict[str, int]) -> float:
+    """FSDP's gathered parameters (and unsharded gradients), or the gradient all-reduce bucket."""
+    prec = shape.precision
+    gathered = state["stage_param_numel"] * prec.param
+    if shape.fsdp and layout.pp > 1:  # torch's schedules keep the stage unsharded (params and grads) through the step
+        return gathered + state["stage_param_numel"] * prec.grad
+    if shape.fsdp:  # the root unit (embedding, norm, head) stays gathered; two blocks in flight with prefetch
+        block = _block_numel(config, layout.tp) * prec.param
+        return gathered - block * state["blocks"] + FSDP_BLOCKS_IN_FLIGHT * block
+    return GRADIENT_BUCKET_BYTES if layout.dp > 1 else 0.0
+
+
+def _autocast_copy_bytes(config: Qwen2Config, layout: Layout, shape: _LayoutShape, state: dict[str, int]) -> float:
+    """Autocast's low-precision weight copies saved for backward.
+
+    With recompute only the recomputed block's copies exist at a time (the rest are not saved).
+    """
+    copy = shape.precision.autocast_copy
+    autocast = state["matmul_param_numel"] * copy
+    if layout.recompute != "none":
+        block_copies = _block_numel(config, layout.tp) * copy
+        autocast = autocast - state["blocks"] * block_copies + block_copies
+    return autocast
+
+
+def _rank_memory_breakdown(problem: Problem, layout: Layout, shape: _LayoutShape,
+                           pp_rank: int) -> tuple[dict[str, float], dict[str, int]]:
+    """(memory breakdown in bytes, :func:`rank_memory`'s figures) of pipeline rank ``pp_rank``."""
+    prec, act = shape.precision, shape.activations
+    state = _rank_memory(problem.config, layout.tp, layout.pp, layout.dp, "fsdp" if shape.fsdp else "replicate",
+                         pp_rank, problem.precision, problem.optimizer, layout.virtual_stages)
+    held = _held_activation_bytes(layout, shape, pp_rank)
+    has_head = shape.last_stage in shape.rank_stages[pp_rank]
+    working = max(act.layer_working, act.loss_working if has_head else 0.0) * shape.tokens
+    fsdp_buffers = _data_parallel_buffer_bytes(problem.config, layout, shape, state)
+    autocast = _autocast_copy_bytes(problem.config, layout, shape, state)
+    optimizer_temp = state["param_numel"] * prec.state  # foreach AdamW's sqrt(exp_avg_sq) temporary
+    static = state["param_bytes"] + state["grad_bytes"] + state["optimizer_bytes"]
+    # the optimizer's temporary exists after backward, when activations and buffers are freed
+    extra = held + working + fsdp_buffers + autocast
+    memory = {"weights": state["param_bytes"], "gradients": state["grad_bytes"], "optimizer": state["optimizer_bytes"],
+              "activations": held, "working": working, "fsdp_buffers": fsdp_buffers, "autocast_copies": autocast,
+              "total": static + max(extra, optimizer_temp)}
+    return memory, state
+
+
+def _matmul_efficiency(problem: Problem, layout: Layout, tokens: int) -> float:
+    """Fraction of peak the layout's matmuls reach: less when tokens or TP-local widths are small."""
+    config = problem.config
+    size = min(tokens, config.hidden_size // layout.tp, config.intermediate_size // layout.tp)
+    return problem.hw.compute_efficiency * size / (size + SMALL_MATMUL_KNEE)
+
+
+def _rank_compute_seconds(problem: Problem, layout: Layout, shape: _LayoutShape, pp_rank: int) -> float:
+    """Matmul time of one micro-batch on a pipeline rank (its blocks, and the head on the last stage)."""
+    config = problem.config
+    # whole FLOP counts (flops_per_token's floats are integers) keep the products below exact
+    body_flops = int(flops_per_token(config, problem.seq_len, include_head=False))
+    block_flops: float = body_flops // config.num_hidden_layers
+    if layout.recompute == "full":
+        block_flops *= FULL_RECOMPUTE_FLOPS
+    head_flops = int(flops_per_token(config, problem.seq_len)) - body_flops
+    flops = sum(shape.stage_blocks[s] * block_flops + (head_flops if s == shape.last_stage else 0)
+                for s in shape.rank_stages[pp_rank]) * shape.tokens / layout.tp
+    if layout.recompute == "selective":
+        flops *= SELECTIVE_OVERHEAD
+    peak = problem.hw.peak_flops(problem.precision)
+    return flops / (peak * _matmul_efficiency(problem, layout, shape.tokens))
+
+
+def _rank_tp_seconds(problem: Problem, layout: Layout, shape: _LayoutShape, pp_rank: int) -> float:
+    """TP collective time of one micro-batch on a pipeline rank (not overlapped with compute)."""
+    if layout.tp == 1:
+        return 0.0
+    hw, prec, config, tokens = problem.hw, shape.precision, problem.config, shape.tokens
+    tp_collective = functools.partial(collective_seconds, ranks=layout.tp, bus_bandwidth=hw.bus_bandwidth(False),
+                                      latency=hw.latency(False))
+    reduces = TP_ALL_REDUCES_PER_BLOCK_FULL_RECOMPUTE if layout.recompute == "full" else TP_ALL_REDUCES_PER_BLOCK
+    per_block = reduces * tp_collective("all_reduce", tokens * config.hidden_size * prec.compute)
+    stages = shape.rank_stages[pp_rank]
+    seconds = sum(shape.stage_blocks[s] for s in stages) * per_block
+    if 0 in stages:  # the vocabulary-parallel embedding's output
+        seconds += tp_collective("all_reduce", tokens * config.hidden_size * prec.residual)
+    if shape.last_stage in stages:  # the gathered logits, and the head input's gradient
+        seconds += tp_collective("all_gather", tokens * config.vocab_size * prec.compute)
+        seconds += tp_collective("all_reduce", tokens * config.hidden_size * prec.compute)
+    return seconds
+
+
+def _rank_cost(problem: Problem, layout: Layout, shape: _LayoutShape, pp_rank: int) -> _RankCost:
+    memory, state = _rank_memory_breakdown(problem, layout, shape, pp_rank)
+    return _RankCost(memory, state, _rank_compute_seconds(problem, layout, shape, pp_rank),
+                     _rank_tp_seconds(problem, layout, shape, pp_rank))
+
+
+def _data_parallel_seconds(problem: Problem, layout: Layout, shape: _LayoutShape, slowest: _RankCost) -> float:
+    """Exposed DP communication per step (see :mod:`lightning_hybrid.planner.step_time`)."""
+    if layout.dp == 1:
+        return 0.0
+    hw, prec, state = problem.hw, shape.precision, slowest.state
+    inter_node = _spans_nodes([d * layout.tp for d in range(layout.dp)], hw.gpus_per_node)
+    dp_collective = functools.partial(collective_seconds, ranks=layout.dp, bus_bandwidth=hw.bus_bandwidth(inter_node),
+                                      latency=hw.latency(inter_node))
+    if not shape.fsdp:
+        return dp_collective("all_reduce", state["grad_numel"] * prec.grad)
+    gather = dp_collective("all_gather", state["stage_param_numel"] * prec.param)
+    scatter = dp_collective("reduce_scatter", state["stage_param_numel"] * prec.grad)
+    if layout.pp > 1:
+        return gather + scatter
+    per_microbatch = 2 * gather + scatter  # forward and backward all-gather, one reduce-scatter
+    first_unit = dp_collective("all_gather", _block_numel(problem.config, layout.tp) * prec.param)
+    return layout.microbatches * max(0.0, per_microbatch - slowest.compute_seconds) + first_unit
+
+
+def _pipeline_bubble_seconds(problem: Problem, layout: Layout, shape: _LayoutShape, slowest: _RankCost) -> float:
+    """Idle time of the pipeline's warm-up and cool-down, with their point-to-point transfers."""
     p2p = 0.0
-    if L.pp > 1:
-        one = collective_seconds("p2p", tokens * c.hidden_size * prec.residual, 2, hw.bus_bandwidth(pp_inter),
-                                 hw.latency(pp_inter))
-        p2p = 2 * (L.pp - 1) * L.virtual_stages * one
-    bubble = (L.pp - 1) / L.virtual_stages * (compute_mb + tp_mb) + p2p
-    optimizer_s = mem["param_numel"] * (2 * prec.param + prec.grad + 6 * prec.state) / (hw.gpu.hbm_tbs * 1e12)
-    time = {"compute": m * compute_mb, "tp_comm": m * tp_mb, "pp_bubble": bubble, "dp_comm": dp_time,
-            "optimizer": optimizer_s}
+    if layout.pp > 1:
+        hw, neighbours = problem.hw, layout.tp * layout.dp  # pipeline neighbours are tp*dp ranks apart
+        # the slowest boundary sets the pace
+        inter_node = any(i // hw.gpus_per_node != (i + neighbours) // hw.gpus_per_node
+                         for i in range((layout.pp - 1) * neighbours))
+        one = collective_seconds("p2p", shape.tokens * problem.config.hidden_size * shape.precision.residual, 2,
+                                 hw.bus_bandwidth(inter_node), hw.latency(inter_node))
+        p2p = P2P_PER_BOUNDARY * (layout.pp - 1) * layout.virtual_stages * one
+    return (layout.pp - 1) / layout.virtual_stages * (slowest.compute_seconds + slowest.tp_seconds) + p2p
+
+
+def _optimizer_seconds(problem: Problem, shape: _LayoutShape, slowest: _RankCost) -> float:
+    """The optimizer step of the slowest rank, bound by memory bandwidth."""
+    prec = shape.precision
+    passes = (OPTIMIZER_PARAM_PASSES * prec.param + OPTIMIZER_GRAD_PASSES * prec.grad
+              + OPTIMIZER_STATE_PASSES * prec.state)
+    return slowest.state["param_numel"] * passes / (problem.hw.gpu.hbm_tbs * 1e12)
+
+
+def estimate(problem: Problem, layout: Layout) -> Estimate:
+    """Memory and step time of ``layout`` for ``problem`` (memory of the fullest pipeline rank)."""
+    shape = _layout_shape(problem, layout)
+    ranks = [_rank_cost(problem, layout, shape, r) for r in range(layout.pp)]
+    fullest = max(range(layout.pp), key=lambda r: ranks[r].memory["total"])
+    slowest = max(ranks, key=lambda rank: rank.compute_seconds + rank.tp_seconds)
+    m = layout.microbatches
+    time = {"compute": m * slowest.compute_seconds, "tp_comm": m * slowest.tp_seconds,
+            "pp_bubble": _pipeline_bubble_seconds(problem, layout, shape, slowest),
+            "dp_comm": _data_parallel_seconds(problem, layout, shape, slowest),
+            "optimizer": _optimizer_seconds(problem, shape, slowest)}
     time["step"] = sum(time.values())
-    step_tokens = p.global_batch * p.seq_len
-    mfu = step_tokens * model_flops_per_token(c, p.seq_len) / (time["step"] * hw.gpus * peak)
-    checkpoint_bytes = max(s[2]["param_bytes"] + s[2]["optimizer_bytes"] for s in stage_times)
-    return Estimate(L, memory, hw.usable_bytes, time, mfu, step_tokens / time["step"], worst_stage,
-                    checkpoint_bytes=checkpoint_bytes)
+    step_tokens = problem.global_batch * problem.seq_len
+    model_flops = step_tokens * flops_per_token(problem.config, problem.seq_len)
+    mfu = model_flops / (time["step"] * problem.hw.gpus * problem.hw.peak_flops(problem.precision))
+    checkpoint_bytes = max(rank.state["param_bytes"] + rank.state["optimizer_bytes"] for rank in ranks)
+    return Estimate(layout, ranks[fullest].memory, problem.hw.usable_bytes, time, mfu, step_tokens / time["step"],
+                    fullest, checkpoint_bytes=checkpoint_bytes)
 
 
-def candidates(p: Problem, tp: int, pp: int, modes: Optional[tuple[str, ...]] = None):
+def candidates(problem: Problem, tp: int, pp: int,
+               modes: Optional[tuple[str, ...]] = None) -> Iterator[Layout]:
     """Every micro-batching, schedule, recompute and sequence-parallel variant of one mesh."""
-    dp = p.hw.gpus // (tp * pp)
-    per_replica = p.global_batch // dp
+    dp = problem.hw.gpus // (tp * pp)
+    per_replica = problem.global_batch // dp
     for mode in modes or (("fsdp", "replicate") if dp > 1 else ("replicate",)):
         for mbs in MICRO_BATCH_SIZES:
             if per_replica % mbs:
                 continue
             m = per_replica // mbs
-            for schedule, v in (p.schedules if pp > 1 else (("none", 1),)):
-                if _layout_reason(p, tp, pp, dp, v):
+            for schedule, v in (problem.schedules if pp > 1 else (("none", 1),)):
+                if _layout_reason(problem, tp, pp, dp, v):
                     continue
                 if pp > 1:
                     try:
@@ -266,14 +383,14 @@ def candidates(p: Problem, tp: int, pp: int, modes: Optional[tuple[str, ...]] = 
                         yield Layout(tp, pp, dp, mode, mbs, m, schedule, v, recompute, sp)
 
 
-def meshes(p: Problem) -> list[tuple[int, int, str]]:
+def meshes(problem: Problem) -> list[tuple[int, int, str]]:
     """(tp, pp, why-not) for every tp inside a node and pp that divide the GPU count."""
     out = []
-    for tp in divisors(p.hw.gpus_per_node):
-        if p.hw.gpus % tp:
+    for tp in divisors(problem.hw.gpus_per_node):
+        if problem.hw.gpus % tp:
             continue
-        for pp in divisors(p.hw.gpus // tp):
-            out.append((tp, pp, _layout_reason(p, tp, pp, p.hw.gpus // (tp * pp), 1)))
+        for pp in divisors(problem.hw.gpus // tp):
+            out.append((tp, pp, _layout_reason(problem, tp, pp, problem.hw.gpus // (tp * pp), 1)))
     return out
 
 
@@ -287,18 +404,18 @@ def _better(a: Estimate, b: Optional[Estimate]) -> bool:
     return a.memory["total"] < b.memory["total"]
 
 
-def search(p: Problem) -> tuple[list[Estimate], list[Estimate]]:
+def search(problem: Problem) -> tuple[list[Estimate], list[Estimate]]:
     """(feasible layouts ranked by step time, the smallest-memory infeasible variant of each other mesh).
 
     Variants that differ only in recompute and sequence parallelism are collapsed to the best one.
     """
     best: dict[tuple, Estimate] = {}
     smallest: dict[tuple, Estimate] = {}
-    for tp, pp, reason in meshes(p):
+    for tp, pp, reason in meshes(problem):
         if reason:
             continue
-        for layout in candidates(p, tp, pp):
-            e = estimate(p, layout)
+        for layout in candidates(problem, tp, pp):
+            e = estimate(problem, layout)
             key = (tp, pp, layout.data_parallel, layout.micro_batch_size, layout.schedule, layout.virtual_stages)
             if _better(e, best.get(key)):
                 best[key] = e
@@ -311,29 +428,29 @@ def search(p: Problem) -> tuple[list[Estimate], list[Estimate]]:
     return feasible, infeasible
 
 
-def explain(p: Problem, tp: int, pp: int, data_parallel: str) -> dict:
+def explain(problem: Problem, tp: int, pp: int, data_parallel: str) -> dict:
     """Why a mesh fits or not: its plainest variant (mbs=1, no recompute) and its smallest-memory variant.
 
     Returns a dict with ``fits``, ``text`` (one paragraph), ``plain`` and ``smallest`` estimates.
     """
-    dp = p.hw.gpus // (tp * pp) if p.hw.gpus % (tp * pp) == 0 else 0
-    reason = "" if dp else f"tp*pp={tp * pp} does not divide {p.hw.gpus} GPUs"
-    reason = reason or _layout_reason(p, tp, pp, dp, 1)
+    dp = problem.hw.gpus // (tp * pp) if problem.hw.gpus % (tp * pp) == 0 else 0
+    reason = "" if dp else f"tp*pp={tp * pp} does not divide {problem.hw.gpus} GPUs"
+    reason = reason or _layout_reason(problem, tp, pp, dp, 1)
     name = f"tp={tp}, pp={pp}, {data_parallel if dp > 1 else 'no data parallel'}"
     if reason:
         return {"layout": name, "fits": False, "text": f"{name}: not possible: {reason}.", "plain": None,
                 "smallest": None}
-    variants = [e for e in (estimate(p, l) for l in candidates(p, tp, pp, (data_parallel,)))]
+    variants = [estimate(problem, layout) for layout in candidates(problem, tp, pp, (data_parallel,))]
     if not variants:
         return {"layout": name, "fits": False, "plain": None, "smallest": None,
                 "text": f"{name}: no micro-batching satisfies the schedule's constraints"}
     smallest = min(variants, key=lambda e: e.memory["total"])
     plain = next((e for e in variants if e.layout.micro_batch_size == smallest.layout.micro_batch_size
                   and e.layout.recompute == "none" and not e.layout.sequence_parallel), smallest)
-    usable = p.hw.usable_bytes / 1e9
+    usable = problem.hw.usable_bytes / 1e9
     m = smallest.memory
     static = (m["weights"] + m["gradients"] + m["optimizer"]) / 1e9
-    params = m["weights"] / PRECISIONS[p.precision].param
+    params = m["weights"] / PRECISIONS[problem.precision].param
     sharding = (f"split only {tp * pp}-way (tp x pp), replicated on all dp={dp} ranks" if data_parallel == "replicate"
                 or dp == 1 else f"split {tp * pp * dp}-way (tp x pp x FSDP dp)")
     text = (f"{name}: weights + gradients + optimizer states are {static:.1f} GB per GPU "

@@ -11,10 +11,21 @@ from typing import Optional
 import torch
 
 from lightning_hybrid.distributed.parallel_dims import MESH_DIMS, ParallelDims, build_mesh
-from lightning_hybrid.planner.step_time import GPUS
-from lightning_hybrid.preflight.links import MiB, run_preflight
+from lightning_hybrid.hardware import SYSTEM_GPUS
+from lightning_hybrid.launch.torchrun import free_port
+from lightning_hybrid.preflight.links import (
+    DEFAULT_ITERS,
+    DEFAULT_MATMUL_SIZE,
+    DEFAULT_MAX_BYTES,
+    DEFAULT_MIN_BYTES,
+    DEFAULT_THRESHOLD,
+    MiB,
+    run_preflight,
+)
 
 __all__ = ["build_parser", "preflight_main"]
+
+LOCALHOST = "127.0.0.1"
 
 
 def _key_values(items: list[str], flag: str) -> dict[str, float]:
@@ -32,6 +43,19 @@ def _key_values(items: list[str], flag: str) -> dict[str, float]:
     return out
 
 
+def _default_to_one_process() -> None:
+    """Without torchrun, run as the only rank: fill in the rendezvous variables torchrun would set.
+
+    The port is a free one the OS picks now (:func:`~lightning_hybrid.launch.torchrun.free_port` binds port 0 on
+    127.0.0.1), so that two preflights, or a preflight and a training job, on one host do not collide on a fixed
+    port; torchrun always sets ``MASTER_PORT``, so under torchrun nothing is picked.
+    """
+    if "MASTER_PORT" not in os.environ:
+        os.environ["MASTER_PORT"] = str(free_port())
+    for key, default in (("MASTER_ADDR", LOCALHOST), ("RANK", "0"), ("WORLD_SIZE", "1"), ("LOCAL_RANK", "0")):
+        os.environ.setdefault(key, default)
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The ``preflight`` flags."""
     p = argparse.ArgumentParser(prog="lightning-hybrid preflight",
@@ -40,17 +64,23 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--tp", type=int, default=1, help="tensor parallel size (1)")
     p.add_argument("--pp", type=int, default=1, help="pipeline parallel size (1)")
     p.add_argument("--dp", type=int, default=None, help="data parallel size (inferred)")
-    p.add_argument("--gpu", choices=sorted(GPUS), help="GPU type for the expected values (default: from the device)")
+    p.add_argument("--gpu", choices=sorted(SYSTEM_GPUS),
+                   help="GPU type for the expected values (default: from the device)")
     p.add_argument("--expected-busbw", "--expected-busbw-gbps", dest="expected_busbw", action="append", default=[],
                    metavar="DIM=GBPS", help="expected bus bandwidth in GB/s (bytes), e.g. tp=360,dp=40 (repeatable)")
     p.add_argument("--expected-p2p", type=float, help="expected pipeline point-to-point bandwidth, GB/s")
     p.add_argument("--expected-tflops", type=float, help="expected matmul TFLOP/s per device")
     p.add_argument("--expected-nvlinks", type=int, help="NVLink links per GPU that must be up")
-    p.add_argument("--threshold", type=float, default=0.8, help="fail below threshold x expected (0.8)")
-    p.add_argument("--min-bytes", type=int, default=MiB, help="smallest message, bytes (1 MiB)")
-    p.add_argument("--max-bytes", type=int, default=64 * MiB, help="largest message, bytes (64 MiB)")
-    p.add_argument("--iters", type=int, help="timed repetitions per size (20 on GPU, 3 on CPU)")
-    p.add_argument("--matmul-size", type=int, help="square matmul side (8192 on GPU, 256 on CPU)")
+    p.add_argument("--threshold", type=float, default=DEFAULT_THRESHOLD,
+                   help=f"fail below threshold x expected ({DEFAULT_THRESHOLD:g})")
+    p.add_argument("--min-bytes", type=int, default=DEFAULT_MIN_BYTES,
+                   help=f"smallest message, bytes ({DEFAULT_MIN_BYTES // MiB} MiB)")
+    p.add_argument("--max-bytes", type=int, default=DEFAULT_MAX_BYTES,
+                   help=f"largest message, bytes ({DEFAULT_MAX_BYTES // MiB} MiB)")
+    p.add_argument("--iters", type=int, help=f"timed repetitions per size ({DEFAULT_ITERS['cuda']} on GPU, "
+                                              f"{DEFAULT_ITERS['cpu']} on CPU)")
+    p.add_argument("--matmul-size", type=int, help=f"square matmul side ({DEFAULT_MATMUL_SIZE['cuda']} on GPU, "
+                                                    f"{DEFAULT_MATMUL_SIZE['cpu']} on CPU)")
     p.add_argument("--no-health", action="store_true", help="skip the NVML hardware health check")
     p.add_argument("--cpu", action="store_true", help="use gloo on CPU even where GPUs exist")
     p.add_argument("--json", action="store_true", help="print the report as JSON")
@@ -67,9 +97,7 @@ def preflight_main(argv: Optional[list[str]] = None) -> int:
     except ValueError as err:
         print(f"lightning-hybrid preflight: error: {err}", file=sys.stderr)
         return 2
-    for key, default in (("MASTER_ADDR", "127.0.0.1"), ("MASTER_PORT", "29511"), ("RANK", "0"), ("WORLD_SIZE", "1"),
-                         ("LOCAL_RANK", "0")):
-        os.environ.setdefault(key, default)
+    _default_to_one_process()
     use_cuda = torch.cuda.is_available() and not args.cpu
     if use_cuda:
         torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))

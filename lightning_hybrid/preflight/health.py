@@ -17,9 +17,10 @@ The record's keys (any may be missing or ``None`` when the device does not repor
 
 from __future__ import annotations
 
+import logging
 from typing import Any, Optional
 
-from lightning_hybrid.planner.step_time import GPUS
+from lightning_hybrid.hardware import SYSTEM_GPUS, gpu_from_device_name
 
 __all__ = ["read_nvml", "check_gpu_health", "gpu_type_from_name", "THROTTLE_REASONS", "CORRECTED_ECC_WARNING"]
 
@@ -38,15 +39,17 @@ THROTTLE_REASONS: dict[int, tuple[str, Optional[str]]] = {
     0x400: ("reliability", "warning"),
 }
 CORRECTED_ECC_WARNING = 1000  # corrected (volatile) ECC errors since boot above which a device is suspect
+# Links to probe when nvidia-ml-py predates NVML_NVLINK_MAX_LINKS: NVLink 4 and 5 GPUs have 18.
+_DEFAULT_MAX_NVLINKS = 18
+
+logger = logging.getLogger(__name__)
 
 
 def gpu_type_from_name(name: str) -> Optional[str]:
-    """The planner's GPU key (``h100``, ...) for an NVML/CUDA device name, or ``None``."""
-    upper = name.upper()
-    for key in sorted(GPUS, key=len, reverse=True):
-        if key.upper() in upper:
-            return key
-    return None
+    """The GPU type (``h100``, ...) for an NVML/CUDA device name, or ``None`` when the GPU table has no link
+    figures for it (then there are no expected values for it)."""
+    gpu = gpu_from_device_name(name)
+    return gpu.name if gpu is not None and gpu.name in SYSTEM_GPUS else None
 
 
 def _finding(severity: str, check: str, message: str, record: dict, host: str, rank: Optional[int]) -> dict:
@@ -75,7 +78,7 @@ def check_gpu_health(record: dict[str, Any], expected_nvlinks: Optional[int] = N
     if links is not None:
         gpu = gpu_type_from_name(record.get("name") or "")
         expected = expected_nvlinks if expected_nvlinks is not None else (
-            GPUS[gpu].nvlinks if gpu and links else len(links))
+            SYSTEM_GPUS[gpu].nvlinks if gpu and links else len(links))
         up = sum(1 for link in links if link)
         if up < expected:
             down = [i for i, link in enumerate(links) if not link]
@@ -133,7 +136,8 @@ def _text(value: Any) -> Any:
 def read_nvml(index: Optional[int] = None, pci_bus_id: Optional[str] = None) -> dict[str, Any]:
     """The health record of one GPU (by PCI bus id, else NVML index), or ``{"status": "skipped", ...}``.
 
-    Never raises: a missing ``nvidia-ml-py``, driver or device gives a skipped record with the reason.
+    Never raises for a missing ``nvidia-ml-py``, driver or device, or a query the installed ``nvidia-ml-py``
+    lacks: those give a skipped record with the reason.
     """
     try:
         import pynvml
@@ -141,66 +145,84 @@ def read_nvml(index: Optional[int] = None, pci_bus_id: Optional[str] = None) -> 
         return {"status": "skipped", "reason": "nvidia-ml-py is not installed (pip install nvidia-ml-py)"}
     try:
         pynvml.nvmlInit()
-    except Exception as err:  # NVMLError, or a missing library
+    except pynvml.NVMLError as err:  # no driver, or no libnvidia-ml (NVMLError_LibraryNotFound)
         return {"status": "skipped", "reason": f"NVML is not available: {err}"}
     try:
-        handle = None
-        if pci_bus_id:
-            handle = _nvml_call(pynvml.nvmlDeviceGetHandleByPciBusId, pci_bus_id)
-        if handle is None:
-            handle = pynvml.nvmlDeviceGetHandleByIndex(index or 0)
-        n = pynvml
-        record: dict[str, Any] = {
-            "status": "checked",
-            "index": _nvml_call(n.nvmlDeviceGetIndex, handle),
-            "name": _text(_nvml_call(n.nvmlDeviceGetName, handle)),
-            "uuid": _text(_nvml_call(n.nvmlDeviceGetUUID, handle)),
-        }
-        pci = _nvml_call(n.nvmlDeviceGetPciInfo, handle)
-        record["pci_bus_id"] = _text(getattr(pci, "busId", None)) if pci is not None else None
-        links = []
-        for link in range(getattr(n, "NVML_NVLINK_MAX_LINKS", 18)):
-            state = _nvml_call(n.nvmlDeviceGetNvLinkState, handle, link)
-            if state is None:
-                continue  # the device has no such link
-            links.append(bool(state))
-        record["nvlink"] = links
-        record["pcie"] = {"gen": _nvml_call(n.nvmlDeviceGetCurrPcieLinkGeneration, handle),
-                          "max_gen": _nvml_call(n.nvmlDeviceGetMaxPcieLinkGeneration, handle),
-                          "width": _nvml_call(n.nvmlDeviceGetCurrPcieLinkWidth, handle),
-                          "max_width": _nvml_call(n.nvmlDeviceGetMaxPcieLinkWidth, handle)}
-        errors = n.nvmlDeviceGetTotalEccErrors
-        record["ecc"] = {
-            "volatile_corrected": _nvml_call(errors, handle, n.NVML_MEMORY_ERROR_TYPE_CORRECTED, n.NVML_VOLATILE_ECC),
-            "volatile_uncorrected": _nvml_call(errors, handle, n.NVML_MEMORY_ERROR_TYPE_UNCORRECTED,
-                                               n.NVML_VOLATILE_ECC),
-            "aggregate_corrected": _nvml_call(errors, handle, n.NVML_MEMORY_ERROR_TYPE_CORRECTED, n.NVML_AGGREGATE_ECC),
-            "aggregate_uncorrected": _nvml_call(errors, handle, n.NVML_MEMORY_ERROR_TYPE_UNCORRECTED,
-                                                n.NVML_AGGREGATE_ECC)}
-        single = _nvml_call(n.nvmlDeviceGetRetiredPages, handle,
-                            n.NVML_PAGE_RETIREMENT_CAUSE_MULTIPLE_SINGLE_BIT_ECC_ERRORS)
-        double = _nvml_call(n.nvmlDeviceGetRetiredPages, handle, n.NVML_PAGE_RETIREMENT_CAUSE_DOUBLE_BIT_ECC_ERROR)
-        pending = _nvml_call(n.nvmlDeviceGetRetiredPagesPendingStatus, handle)
-        record["retired_pages"] = {"single_bit": len(single) if single is not None else None,
-                                   "double_bit": len(double) if double is not None else None,
-                                   "pending": bool(pending) if pending is not None else None}
-        remapped = _nvml_call(n.nvmlDeviceGetRemappedRows, handle)
-        record["remapped_rows"] = (dict(zip(("correctable", "uncorrectable", "pending", "failure"),
-                                            [int(remapped[0]), int(remapped[1]), bool(remapped[2]), bool(remapped[3])]))
-                                   if remapped is not None else None)
-        record["clocks"] = {"sm": _nvml_call(n.nvmlDeviceGetClockInfo, handle, n.NVML_CLOCK_SM),
-                            "sm_max": _nvml_call(n.nvmlDeviceGetMaxClockInfo, handle, n.NVML_CLOCK_SM),
-                            "mem": _nvml_call(n.nvmlDeviceGetClockInfo, handle, n.NVML_CLOCK_MEM),
-                            "mem_max": _nvml_call(n.nvmlDeviceGetMaxClockInfo, handle, n.NVML_CLOCK_MEM)}
-        reasons = (getattr(n, "nvmlDeviceGetCurrentClocksEventReasons", None)
-                   or n.nvmlDeviceGetCurrentClocksThrottleReasons)
-        record["throttle_reasons"] = _nvml_call(reasons, handle)
-        record["temperature_c"] = _nvml_call(n.nvmlDeviceGetTemperature, handle, n.NVML_TEMPERATURE_GPU)
-        return record
-    except Exception as err:
+        return _read_record(pynvml, _device_handle(pynvml, index, pci_bus_id))
+    except (pynvml.NVMLError, AttributeError) as err:  # no such device, or an nvidia-ml-py without the query
         return {"status": "skipped", "reason": f"NVML query failed: {err}"}
     finally:
         try:
             pynvml.nvmlShutdown()
-        except Exception:
-            pass
+        except pynvml.NVMLError as err:  # the record is complete; a failed shutdown only leaks NVML's handle
+            logger.debug("nvmlShutdown failed: %s", err)
+
+
+def _device_handle(n: Any, index: Optional[int], pci_bus_id: Optional[str]) -> Any:
+    """The device by PCI bus id (what CUDA reports), else by NVML index (which may order devices differently)."""
+    handle = _nvml_call(n.nvmlDeviceGetHandleByPciBusId, pci_bus_id) if pci_bus_id else None
+    return handle if handle is not None else n.nvmlDeviceGetHandleByIndex(index or 0)
+
+
+def _read_record(n: Any, handle: Any) -> dict[str, Any]:
+    """Every figure of the record (see the module docstring); ``None`` where the device does not report it."""
+    pci = _nvml_call(n.nvmlDeviceGetPciInfo, handle)
+    reasons = getattr(n, "nvmlDeviceGetCurrentClocksEventReasons", None) or n.nvmlDeviceGetCurrentClocksThrottleReasons
+    return {
+        "status": "checked",
+        "index": _nvml_call(n.nvmlDeviceGetIndex, handle),
+        "name": _text(_nvml_call(n.nvmlDeviceGetName, handle)),
+        "uuid": _text(_nvml_call(n.nvmlDeviceGetUUID, handle)),
+        "pci_bus_id": _text(getattr(pci, "busId", None)) if pci is not None else None,
+        "nvlink": _nvlink_states(n, handle),
+        "pcie": {"gen": _nvml_call(n.nvmlDeviceGetCurrPcieLinkGeneration, handle),
+                 "max_gen": _nvml_call(n.nvmlDeviceGetMaxPcieLinkGeneration, handle),
+                 "width": _nvml_call(n.nvmlDeviceGetCurrPcieLinkWidth, handle),
+                 "max_width": _nvml_call(n.nvmlDeviceGetMaxPcieLinkWidth, handle)},
+        "ecc": _ecc_errors(n, handle),
+        "retired_pages": _retired_pages(n, handle),
+        "remapped_rows": _remapped_rows(n, handle),
+        "clocks": {"sm": _nvml_call(n.nvmlDeviceGetClockInfo, handle, n.NVML_CLOCK_SM),
+                   "sm_max": _nvml_call(n.nvmlDeviceGetMaxClockInfo, handle, n.NVML_CLOCK_SM),
+                   "mem": _nvml_call(n.nvmlDeviceGetClockInfo, handle, n.NVML_CLOCK_MEM),
+                   "mem_max": _nvml_call(n.nvmlDeviceGetMaxClockInfo, handle, n.NVML_CLOCK_MEM)},
+        "throttle_reasons": _nvml_call(reasons, handle),
+        "temperature_c": _nvml_call(n.nvmlDeviceGetTemperature, handle, n.NVML_TEMPERATURE_GPU),
+    }
+
+
+def _nvlink_states(n: Any, handle: Any) -> list[bool]:
+    """Up or not, for every link the device has (a link it lacks fails the query and is left out)."""
+    states = (_nvml_call(n.nvmlDeviceGetNvLinkState, handle, link)
+              for link in range(getattr(n, "NVML_NVLINK_MAX_LINKS", _DEFAULT_MAX_NVLINKS)))
+    return [bool(state) for state in states if state is not None]
+
+
+def _ecc_errors(n: Any, handle: Any) -> dict[str, Optional[int]]:
+    """Corrected and uncorrected ECC errors since boot (volatile) and over the device's life (aggregate)."""
+    errors = n.nvmlDeviceGetTotalEccErrors
+    corrected, uncorrected = n.NVML_MEMORY_ERROR_TYPE_CORRECTED, n.NVML_MEMORY_ERROR_TYPE_UNCORRECTED
+    return {"volatile_corrected": _nvml_call(errors, handle, corrected, n.NVML_VOLATILE_ECC),
+            "volatile_uncorrected": _nvml_call(errors, handle, uncorrected, n.NVML_VOLATILE_ECC),
+            "aggregate_corrected": _nvml_call(errors, handle, corrected, n.NVML_AGGREGATE_ECC),
+            "aggregate_uncorrected": _nvml_call(errors, handle, uncorrected, n.NVML_AGGREGATE_ECC)}
+
+
+def _retired_pages(n: Any, handle: Any) -> dict[str, Any]:
+    """Pages retired for single- and double-bit errors and whether a retirement waits for a reset (pre-Hopper)."""
+    pages = n.nvmlDeviceGetRetiredPages
+    single = _nvml_call(pages, handle, n.NVML_PAGE_RETIREMENT_CAUSE_MULTIPLE_SINGLE_BIT_ECC_ERRORS)
+    double = _nvml_call(pages, handle, n.NVML_PAGE_RETIREMENT_CAUSE_DOUBLE_BIT_ECC_ERROR)
+    pending = _nvml_call(n.nvmlDeviceGetRetiredPagesPendingStatus, handle)
+    return {"single_bit": len(single) if single is not None else None,
+            "double_bit": len(double) if double is not None else None,
+            "pending": bool(pending) if pending is not None else None}
+
+
+def _remapped_rows(n: Any, handle: Any) -> Optional[dict[str, Any]]:
+    """Rows remapped for correctable and uncorrectable errors, a pending remap and a failed one (Ampere on)."""
+    remapped = _nvml_call(n.nvmlDeviceGetRemappedRows, handle)
+    if remapped is None:
+        return None
+    return {"correctable": int(remapped[0]), "uncorrectable": int(remapped[1]), "pending": bool(remapped[2]),
+            "failure": bool(remapped[3])}

@@ -19,31 +19,41 @@ or from the strategy with ``HybridParallelStrategy(preflight=True)``, which call
 
 from __future__ import annotations
 
-import argparse
-import json
-import os
 import socket
 import statistics
-import sys
 import time
 from dataclasses import asdict, dataclass, field
 from typing import TYPE_CHECKING, Any, Optional
 
 import torch
 
-from lightning_hybrid.distributed.parallel_dims import MESH_DIMS, ParallelDims, build_mesh
-from lightning_hybrid.planner.step_time import GPUS
+from lightning_hybrid.distributed.parallel_dims import MESH_DIMS
+from lightning_hybrid.hardware import SYSTEM_GPUS
 from lightning_hybrid.preflight.health import check_gpu_health, gpu_type_from_name, read_nvml
 
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
 
 __all__ = ["run_preflight", "run_preflight_or_raise", "PreflightReport", "LinkResult", "bus_bandwidth_factor",
-           "COLLECTIVES", "MATMUL_EFFICIENCY"]
+           "COLLECTIVES", "MATMUL_EFFICIENCY", "MiB", "DEFAULT_MIN_BYTES", "DEFAULT_MAX_BYTES", "PREFLIGHT_MAX_BYTES",
+           "DEFAULT_THRESHOLD", "DEFAULT_ITERS", "DEFAULT_WARMUP", "DEFAULT_MATMUL_SIZE"]
 
 COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter")
 MATMUL_EFFICIENCY = 0.7  # a healthy GPU's large bf16 matmul reaches ~70% of the dense datasheet peak
 MiB = 1 << 20
+DEFAULT_MIN_BYTES = MiB  # below about 1 MiB a collective's time is its latency, not its bandwidth
+DEFAULT_MAX_BYTES = 64 * MiB  # NVLink and InfiniBand bus bandwidth reach their plateau by 64 MiB
+# Largest message of the preflight the strategy runs (``preflight=True``) per device type: gloo on CPU is slow
+# and has no link to saturate, so its run stays short.
+PREFLIGHT_MAX_BYTES = {"cpu": 4 * MiB, "cuda": DEFAULT_MAX_BYTES}
+DEFAULT_THRESHOLD = 0.8  # a figure below this fraction of the expected one fails the run
+# Per device type: timed repetitions per message size, untimed warm-up repetitions and the matmul's side.
+# CPU runs (gloo, tests) are kept short; on GPUs 20 repetitions of 8192^3 matmuls time well above noise.
+DEFAULT_ITERS = {"cuda": 20, "cpu": 3}
+DEFAULT_WARMUP = {"cuda": 5, "cpu": 1}
+DEFAULT_MATMUL_SIZE = {"cuda": 8192, "cpu": 256}
+_MATMUL_WARMUP = 2  # untimed matmuls: cuBLAS picks its kernel and allocates its workspace on the first
+_FLOAT32_BYTES = 4  # the test buffers are float32
 
 
 def bus_bandwidth_factor(kind: str, n: int) -> float:
@@ -71,6 +81,7 @@ class LinkResult:
 
     @property
     def ratio(self) -> Optional[float]:
+        """Measured over expected bus bandwidth, ``None`` without an expected value."""
         return self.busbw_gbs / self.expected_gbs if self.expected_gbs else None
 
 
@@ -90,9 +101,11 @@ class PreflightReport:
 
     @property
     def ok(self) -> bool:
+        """Whether nothing failed."""
         return not self.failures
 
     def to_dict(self) -> dict[str, Any]:
+        """The report as plain data (the ``--json`` output), with each link's ratio."""
         links = [{**asdict(link), "ratio": link.ratio} for link in self.links]
         return {"mesh": self.mesh, "world_size": len(self.hosts), "backend": self.backend, "device": self.device,
                 "threshold": self.threshold, "hosts": self.hosts, "links": links, "matmul": self.matmul,
@@ -138,16 +151,16 @@ def _sync(device: torch.device) -> None:
 def _collective_op(kind: str, nbytes: int, n: int, group: Any, device: torch.device) -> tuple[int, Any]:
     import torch.distributed as dist
 
-    elems = max(n, (nbytes // 4) // n * n)
+    elems = max(n, (nbytes // _FLOAT32_BYTES) // n * n)  # a multiple of n, so every rank gets a whole shard
     if kind == "all_reduce":
         buf = torch.zeros(elems, device=device)
-        return elems * 4, lambda: dist.all_reduce(buf, group=group)
+        return elems * _FLOAT32_BYTES, lambda: dist.all_reduce(buf, group=group)
     gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
     scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
     full, shard = torch.zeros(elems, device=device), torch.zeros(elems // n, device=device)
     if kind == "all_gather":
-        return elems * 4, lambda: gather(full, shard, group=group)
-    return elems * 4, lambda: scatter(shard, full, group=group)
+        return elems * _FLOAT32_BYTES, lambda: gather(full, shard, group=group)
+    return elems * _FLOAT32_BYTES, lambda: scatter(shard, full, group=group)
 
 
 def _timed(op: Any, device: torch.device, group: Any, iters: int, warmup: int) -> float:
@@ -199,7 +212,7 @@ def _measure_local(mesh: "DeviceMesh", device: torch.device, sizes: list[int], i
             me = ranks.index(dist.get_rank())
             for boundary in range(n - 1):
                 for size in sizes:
-                    buf = torch.zeros(max(1, size // 4), device=device)
+                    buf = torch.zeros(max(1, size // _FLOAT32_BYTES), device=device)
                     dist.barrier()
                     if me in (boundary, boundary + 1):
                         peer = ranks[boundary + 1] if me == boundary else ranks[boundary]
@@ -216,16 +229,17 @@ def _measure_local(mesh: "DeviceMesh", device: torch.device, sizes: list[int], i
                             op()
                         _sync(device)
                         records.append({"dim": dim, "test": "p2p", "ranks": [ranks[boundary], ranks[boundary + 1]],
-                                        "bytes": buf.numel() * 4, "seconds": (time.perf_counter() - start) / iters})
+                                        "bytes": buf.numel() * _FLOAT32_BYTES,
+                                        "seconds": (time.perf_counter() - start) / iters})
             dist.barrier()
     return records
 
 
 def _matmul_tflops(device: torch.device, size: Optional[int], iters: int) -> float:
-    n = size or (8192 if device.type == "cuda" else 256)
+    n = size or DEFAULT_MATMUL_SIZE[device.type]
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     a, b = torch.randn(n, n, device=device, dtype=dtype), torch.randn(n, n, device=device, dtype=dtype)
-    for _ in range(2):
+    for _ in range(_MATMUL_WARMUP):
         a @ b
     _sync(device)
     start = time.perf_counter()
@@ -254,21 +268,23 @@ def _expected_link(dim: str, test: str, link: str, gpu: Optional[str], expected_
             return expected_busbw[key]
     if gpu is None:
         return None
-    spec = GPUS[gpu]
-    return spec.network_gbits / 8 if link.startswith("inter") else spec.nvlink_gbs
+    spec = SYSTEM_GPUS[gpu]
+    return spec.network_gbs if link.startswith("inter") else spec.nvlink_gbs
 
 
 def run_preflight(mesh: "DeviceMesh", gpu: Optional[str] = None, expected_busbw: Optional[dict[str, float]] = None,
                   expected_p2p: Optional[float] = None, expected_tflops: Optional[float] = None,
-                  expected_nvlinks: Optional[int] = None, threshold: float = 0.8, min_bytes: int = MiB,
-                  max_bytes: int = 64 * MiB, iters: Optional[int] = None, warmup: Optional[int] = None,
-                  matmul_size: Optional[int] = None, check_health: bool = True) -> PreflightReport:
+                  expected_nvlinks: Optional[int] = None, threshold: float = DEFAULT_THRESHOLD,
+                  min_bytes: int = DEFAULT_MIN_BYTES, max_bytes: int = DEFAULT_MAX_BYTES, iters: Optional[int] = None,
+                  warmup: Optional[int] = None, matmul_size: Optional[int] = None,
+                  check_health: bool = True) -> PreflightReport:
     """Measure the mesh's links, the devices' matmul speed and hardware health; the same report on every rank.
 
     Must be called on every rank of the default process group (it runs collectives on each mesh dimension).
 
     Args:
-        mesh: the training mesh ``("pp", "dp", "tp")`` from :func:`lightning_hybrid.mesh.build_mesh`.
+        mesh: the training mesh ``("pp", "dp", "tp")`` from
+            :func:`lightning_hybrid.distributed.parallel_dims.build_mesh`.
         gpu: GPU type (``h100``, ``h200``, ``b200``, ``b300``) for the expected values; ``None`` infers it
             from the CUDA device name, and on CPU there are no expected values unless given.
         expected_busbw: GB/s by dimension (``{"tp": 360}``) or by ``"dim.test"`` (``{"dp.all_gather": 40}``).
@@ -296,18 +312,11 @@ def run_preflight(mesh: "DeviceMesh", gpu: Optional[str] = None, expected_busbw:
         raise ValueError(f"message sizes min_bytes={min_bytes}, max_bytes={max_bytes} must satisfy 0 < min <= max")
     device = torch.device("cuda", torch.cuda.current_device()) if mesh.device_type == "cuda" else torch.device("cpu")
     on_gpu = device.type == "cuda"
-    iters = iters or (20 if on_gpu else 3)
-    warmup = warmup if warmup is not None else (5 if on_gpu else 1)
-    if gpu is None and on_gpu:
-        gpu = gpu_type_from_name(torch.cuda.get_device_name(device))
-    if gpu is not None and gpu not in GPUS:
-        raise ValueError(f"gpu={gpu!r} is not known; use one of {', '.join(GPUS)} or give expected values")
-    records = _measure_local(mesh, device, _sizes(min_bytes, max_bytes), iters, warmup)
-    local = {"rank": dist.get_rank(), "host": socket.gethostname(), "records": records,
-             "tflops": _matmul_tflops(device, matmul_size, iters),
-             "health": _local_health(device) if check_health else {"status": "skipped", "reason": "disabled"}}
-    gathered: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(gathered, local)
+    iters = iters or DEFAULT_ITERS[device.type]
+    warmup = warmup if warmup is not None else DEFAULT_WARMUP[device.type]
+    gpu = _resolve_gpu(gpu, device)
+    gathered = _gather_measurements(mesh, device, _sizes(min_bytes, max_bytes), iters, warmup, matmul_size,
+                                    check_health)
     hosts = [g["host"] for g in sorted(gathered, key=lambda g: g["rank"])]
     report = PreflightReport(mesh={d: mesh[d].size() for d in MESH_DIMS}, backend=dist.get_backend(),
                              device=torch.cuda.get_device_name(device) if on_gpu else "cpu", threshold=threshold,
@@ -316,6 +325,33 @@ def run_preflight(mesh: "DeviceMesh", gpu: Optional[str] = None, expected_busbw:
     _judge_matmul(report, gathered, gpu, expected_tflops, on_gpu)
     _judge_health(report, gathered, gpu, expected_nvlinks)
     return report
+
+
+def _resolve_gpu(gpu: Optional[str], device: torch.device) -> Optional[str]:
+    """The GPU type for the expected values: as given, else from the CUDA device's name (none on CPU).
+
+    Raises:
+        ValueError: a given type is not in the GPU table.
+    """
+    if gpu is None and device.type == "cuda":
+        gpu = gpu_type_from_name(torch.cuda.get_device_name(device))
+    if gpu is not None and gpu not in SYSTEM_GPUS:
+        raise ValueError(f"gpu={gpu!r} is not known; use one of {', '.join(SYSTEM_GPUS)} or give expected values")
+    return gpu
+
+
+def _gather_measurements(mesh: "DeviceMesh", device: torch.device, sizes: list[int], iters: int, warmup: int,
+                         matmul_size: Optional[int], check_health: bool) -> list[dict[str, Any]]:
+    """Every rank's link timings, matmul TFLOP/s and health record, on every rank (all ranks must call it)."""
+    import torch.distributed as dist
+
+    records = _measure_local(mesh, device, sizes, iters, warmup)
+    local = {"rank": dist.get_rank(), "host": socket.gethostname(), "records": records,
+             "tflops": _matmul_tflops(device, matmul_size, iters),
+             "health": _local_health(device) if check_health else {"status": "skipped", "reason": "disabled"}}
+    gathered: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, local)
+    return gathered
 
 
 def _judge_links(report: PreflightReport, gathered: list[dict], device: torch.device, gpu: Optional[str],
@@ -349,7 +385,7 @@ def _judge_links(report: PreflightReport, gathered: list[dict], device: torch.de
 def _judge_matmul(report: PreflightReport, gathered: list[dict], gpu: Optional[str],
                   expected_tflops: Optional[float], relative: bool) -> None:
     expected = expected_tflops if expected_tflops is not None else (
-        GPUS[gpu].peak_tflops * MATMUL_EFFICIENCY if gpu is not None else None)
+        SYSTEM_GPUS[gpu].peak_tflops * MATMUL_EFFICIENCY if gpu is not None else None)
     median = statistics.median(g["tflops"] for g in gathered)
     for g in sorted(gathered, key=lambda g: g["rank"]):
         reasons = []
@@ -371,7 +407,7 @@ def _judge_health(report: PreflightReport, gathered: list[dict], gpu: Optional[s
         reasons = sorted({g["health"].get("reason", "") for g in gathered})
         report.health = {"status": "skipped", "reason": "; ".join(reasons)}
         return
-    nvlinks = expected_nvlinks if expected_nvlinks is not None else (GPUS[gpu].nvlinks if gpu else None)
+    nvlinks = expected_nvlinks if expected_nvlinks is not None else (SYSTEM_GPUS[gpu].nvlinks if gpu else None)
     findings: list[dict] = []
     for g in records:
         findings.extend(check_gpu_health(g["health"], nvlinks, g["host"], g["rank"]))
