@@ -11,6 +11,6 @@ sys.path.insert(0, str(Path(__file__).parent))
 @pytest.fixture(scope="session")
 def reference_run():
     """The tiny model trained by one process with no parallel strategy (the ground truth)."""
-    from equivalence_setup import run_reference
+    from helpers.equivalence import run_reference
 
     return run_reference()

@@ -1,6 +1,6 @@
 """Runs several training configurations inside one launched process group and saves what they did.
 
-Launched by ``tests/launch.py:run_workers`` with torchrun. For each configuration: a fresh seed, a
+Launched by ``helpers.launch.run_workers`` with torchrun. For each configuration: a fresh seed, a
 Trainer with ``HybridParallelStrategy``, a few optimizer steps on fixed random tokens; rank 0 saves the
 per-step global losses, the validation loss, and the full (gathered) initial and final weights.
 """
@@ -12,38 +12,14 @@ import os
 import sys
 from pathlib import Path
 
+import lightning as L
 import torch
 import torch.distributed as dist
+from helpers.equivalence import GLOBAL_BATCH, SEED, LossRecorder, make_dataset, make_trainer_kwargs, tiny_config
+from helpers.gather import first_prediction, full_weights, gather_merged, gather_objects
 
-import lightning as L
 from lightning_hybrid import HybridParallelStrategy
 from lightning_hybrid.models import CausalLM
-
-sys.path.insert(0, str(Path(__file__).parent))
-from equivalence_setup import GLOBAL_BATCH, SEED, LossRecorder, make_dataset, make_trainer_kwargs, tiny_config  # noqa: E402
-
-
-def gather_merged(local: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """Union over all ranks of per-rank dicts (pipeline stages hold different keys)."""
-    gathered: list = [None] * dist.get_world_size()
-    dist.all_gather_object(gathered, local)
-    merged: dict[str, torch.Tensor] = {}
-    for part in gathered:
-        merged.update(part)
-    return merged
-
-
-def full_weights(module: torch.nn.Module) -> dict[str, torch.Tensor]:
-    """Every parameter of the whole model, gathered from TP/FSDP shards and pipeline stages, on every rank."""
-    from torch.distributed.tensor import DTensor
-
-    from lightning_hybrid.distributed.init_weights import canonical_name
-
-    local = {}
-    for name, param in module.named_parameters():
-        value = param.full_tensor() if isinstance(param, DTensor) else param
-        local[canonical_name(name)] = value.detach().cpu().clone()
-    return gather_merged(local)
 
 
 class WeightRecorder(L.Callback):
@@ -58,10 +34,7 @@ def evaluate_after_fit(trainer: L.Trainer, module: L.LightningModule, val) -> di
     """trainer.test and trainer.predict on the fitted model; predictions gathered from the rank that has them."""
     test_loss = float(trainer.test(module, dataloaders=val, verbose=False)[0]["test_loss"])
     inputs = torch.utils.data.DataLoader([x for x, _ in val.dataset], batch_size=val.batch_size)
-    predictions = trainer.predict(module, dataloaders=inputs)
-    gathered: list = [None] * dist.get_world_size()
-    dist.all_gather_object(gathered, predictions[0] if predictions and predictions[0] is not None else None)
-    return {"test_loss": test_loss, "logits": next(p for p in gathered if p is not None)}
+    return {"test_loss": test_loss, "logits": first_prediction(trainer.predict(module, dataloaders=inputs))}
 
 
 class SaveAt(L.Callback):
@@ -134,8 +107,8 @@ def applied_switches(model: torch.nn.Module, pipeline=None) -> dict:
     for every FSDP2 unit (by global name) whether it reshards its weights after forward, and the units still
     gathered at the end (after the last evaluation). A pipeline's stage modules (the FSDP2 roots there) are
     named ``stage<i>``."""
-    from lightning_hybrid.distributed.init_weights import canonical_name
     from lightning_hybrid.distributed.activation_checkpoint import recomputed
+    from lightning_hybrid.distributed.init_weights import canonical_name
 
     local = {"recomputed": {}, "compiled": [], "mp_policy": [], "param_dtypes": [], "reshard_after_forward": {},
              "gathered": []}
@@ -157,8 +130,7 @@ def applied_switches(model: torch.nn.Module, pipeline=None) -> dict:
             policy = state()._mp_policy
             local["mp_policy"].append((str(policy.param_dtype), str(policy.reduce_dtype)))
     local["param_dtypes"] = sorted({str(p.dtype) for p in model.parameters()})
-    gathered: list = [None] * dist.get_world_size()
-    dist.all_gather_object(gathered, local)
+    gathered = gather_objects(local)
     merged = {"recomputed": {}, "compiled": set(), "mp_policy": set(), "param_dtypes": set(),
               "reshard_after_forward": {}, "gathered": set()}
     for part in gathered:

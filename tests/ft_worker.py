@@ -12,20 +12,16 @@ from __future__ import annotations
 import json
 import os
 import signal
-import sys
 from pathlib import Path
 
+import lightning as L
 import torch
 import torch.distributed as dist
+from helpers.equivalence import GLOBAL_BATCH, SEED, make_dataset, make_trainer_kwargs, tiny_config
+from helpers.gather import full_weights
 
-import lightning as L
-
-sys.path.insert(0, str(Path(__file__).parent))
-from dist_worker import full_weights  # noqa: E402
-from equivalence_setup import GLOBAL_BATCH, SEED, make_dataset, make_trainer_kwargs, tiny_config  # noqa: E402
-
-from lightning_hybrid import FaultTolerantCheckpoint, HybridParallelStrategy  # noqa: E402
-from lightning_hybrid.models import CausalLM  # noqa: E402
+from lightning_hybrid import FaultTolerantCheckpoint, HybridParallelStrategy
+from lightning_hybrid.models import CausalLM
 
 
 def env(name: str, default: str = "") -> str:

@@ -12,28 +12,21 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
+import lightning as L
 import torch
 import torch.distributed as dist
+from helpers.gather import first_prediction, gather_objects
 from torch.utils.data import DataLoader, TensorDataset
 
-import lightning as L
 from lightning_hybrid import HybridParallelStrategy
-from lightning_hybrid.checkpoint import hf
 from lightning_hybrid.distributed.init_weights import local_region
 from lightning_hybrid.models import CausalLM, Qwen2Config
-
-
-def gather(value):
-    out: list = [None] * dist.get_world_size()
-    dist.all_gather_object(out, value)
-    return out
+from lightning_hybrid.models.qwen2 import hf
 
 
 def predicted_logits(trainer: L.Trainer, module: CausalLM, inputs: torch.Tensor) -> torch.Tensor:
     """Logits from trainer.predict, taken from the rank that holds the last pipeline stage."""
-    predictions = trainer.predict(module, dataloaders=DataLoader(inputs, batch_size=len(inputs)))
-    mine = predictions[0] if predictions and predictions[0] is not None else None
-    return next(p for p in gather(mine) if p is not None)
+    return first_prediction(trainer.predict(module, dataloaders=DataLoader(inputs, batch_size=len(inputs))))
 
 
 def main() -> None:
@@ -50,7 +43,7 @@ def main() -> None:
     # What this rank holds and what it read while the strategy filled its shards.
     itemsize = 4  # the test folder is fp32
     held = sum(local_region(p)[0].numel() * itemsize for p in module.model.parameters())
-    reads = gather({"rank": dist.get_rank(), "bytes_read": hf.read_stats.bytes_read, "held_bytes": held,
+    reads = gather_objects({"rank": dist.get_rank(), "bytes_read": hf.read_stats.bytes_read, "held_bytes": held,
                     "tensors_read": hf.read_stats.tensors_read})
 
     # The same folder into tp=2 x dp=2 with FSDP2: parameters are TP shards further split over dp.
@@ -59,7 +52,8 @@ def main() -> None:
                              logger=False, enable_progress_bar=False, enable_model_summary=False)
     fsdp_trainer.predict(fsdp_module, dataloaders=DataLoader(inputs, batch_size=2))  # sets the model up
     fsdp_held = sum(local_region(p)[0].numel() * itemsize for p in fsdp_module.model.parameters())
-    fsdp_reads = gather({"rank": dist.get_rank(), "bytes_read": hf.read_stats.bytes_read, "held_bytes": fsdp_held})
+    fsdp_reads = gather_objects({"rank": dist.get_rank(), "bytes_read": hf.read_stats.bytes_read,
+                                 "held_bytes": fsdp_held})
     with torch.no_grad():
         fsdp_logits = fsdp_module.model(inputs)  # every rank runs the whole batch; the logits are replicated
     del fsdp_module, fsdp_trainer

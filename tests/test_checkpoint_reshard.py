@@ -2,13 +2,10 @@
 
 from __future__ import annotations
 
-import json
-
 import pytest
-import torch
-
-from equivalence_setup import STEPS, max_relative_error
-from launch import HERE, torchrun, run_workers
+from helpers.compare import same_tensors
+from helpers.equivalence import STEPS
+from helpers.launch import run_workers
 
 pytestmark = [pytest.mark.distributed, pytest.mark.timeout(900)]
 
@@ -35,21 +32,17 @@ def runs(tmp_path_factory):
     return records
 
 
-def _same(a: dict, b: dict) -> bool:
-    return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
-
-
 @pytest.mark.parametrize("name", ["loaded_dp4", "loaded_single"])
 def test_weights_and_adam_states_load_identically_on_another_mesh(runs, name):
     saved, loaded = runs["saved_tp2_pp2"], runs[name]
-    assert _same(loaded["final"], saved["final"])
+    assert same_tensors(loaded["final"], saved["final"])
     assert len(saved["optimizer"]) == 2 * len(saved["final"])  # exp_avg and exp_avg_sq of every parameter
-    assert _same(loaded["optimizer"], saved["optimizer"])
+    assert same_tensors(loaded["optimizer"], saved["optimizer"])
 
 
 def test_same_layout_resume_is_bitwise_identical_to_the_uninterrupted_run(runs):
-    assert _same(runs["continued_tp2_pp2"]["final"], runs["uninterrupted_tp2_pp2"]["final"])
-    assert _same(runs["continued_tp2_pp2"]["optimizer"], runs["uninterrupted_tp2_pp2"]["optimizer"])
+    assert same_tensors(runs["continued_tp2_pp2"]["final"], runs["uninterrupted_tp2_pp2"]["final"])
+    assert same_tensors(runs["continued_tp2_pp2"]["optimizer"], runs["uninterrupted_tp2_pp2"]["optimizer"])
 
 
 def test_training_continues_on_four_dp_ranks_with_the_losses_of_the_uninterrupted_run(runs):

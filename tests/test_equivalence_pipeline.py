@@ -4,13 +4,12 @@ from __future__ import annotations
 
 import pytest
 import torch
-
-from equivalence_setup import max_relative_error, run_reference
-from launch import run_workers
+from helpers.compare import TOL, assert_trains_like, max_relative_error
+from helpers.equivalence import run_reference
+from helpers.launch import run_workers
 
 pytestmark = [pytest.mark.distributed, pytest.mark.timeout(900)]
 
-TOL = 1e-5
 SCHEDULES = ["gpipe", "1f1b", "interleaved_1f1b", "looped_bfs", "interleaved_zero_bubble", "zbv_zero_bubble",
              "dualpipev"]
 
@@ -56,17 +55,9 @@ def eight_process_runs(tmp_path_factory):
     return run_workers(8, configs, tmp_path_factory.mktemp("pp8"), timeout=600)
 
 
-def _check(record, reference):
-    err = max_relative_error(record, reference)
-    assert err["loss"] < TOL, (err, record["losses"], reference["losses"])
-    assert err["weights"] < TOL, err
-    for key, value in reference["initial"].items():
-        assert torch.equal(record["initial"][key], value), key
-
-
 @pytest.mark.parametrize("schedule", SCHEDULES)
 def test_loss_and_weights_match_single_process_with_pp2(schedule_runs, reference_run, schedule):
-    _check(schedule_runs[schedule], reference_run)
+    assert_trains_like(schedule_runs[schedule], reference_run, same_initial_weights=True)
 
 
 @pytest.mark.parametrize("schedule", ["gpipe", "1f1b", "interleaved_1f1b"])
@@ -83,7 +74,7 @@ def test_validation_loss_through_the_pipeline_equals_single_process(schedule_run
 
 
 def test_explicit_split_points_train_like_one_process(schedule_runs, reference_run):
-    _check(schedule_runs["1f1b_split_points"], reference_run)
+    assert_trains_like(schedule_runs["1f1b_split_points"], reference_run, same_initial_weights=True)
 
 
 @pytest.fixture(scope="module")
@@ -103,17 +94,17 @@ def test_test_loss_and_predicted_logits_through_the_pipeline_equal_single_proces
 @pytest.mark.parametrize("name", ["pp2_tp2", "pp2_tp2_sequence_parallel", "pp2_dp2_fsdp", "pp2_dp2_replicate",
                                   "pp2_dp2_fsdp_zbv"])
 def test_loss_and_weights_match_single_process_with_pp_and_tp_or_dp(four_process_runs, reference_run, name):
-    _check(four_process_runs[name], reference_run)
+    assert_trains_like(four_process_runs[name], reference_run, same_initial_weights=True)
 
 
 def test_gradient_clipping_across_stages_matches_single_process(four_process_runs):
     reference = run_reference(gradient_clip_val=0.05)
-    _check(four_process_runs["pp2_tp2_clip"], reference)
+    assert_trains_like(four_process_runs["pp2_tp2_clip"], reference, same_initial_weights=True)
 
 
 @pytest.mark.parametrize("name", ["pp2_tp2_dp2_fsdp", "pp2_tp2_dp2_replicate_interleaved"])
 def test_loss_and_weights_match_single_process_with_pp2_tp2_dp2(eight_process_runs, reference_run, name):
-    _check(eight_process_runs[name], reference_run)
+    assert_trains_like(eight_process_runs[name], reference_run, same_initial_weights=True)
     assert abs(eight_process_runs[name]["val_loss"] - reference_run["val_loss"]) / reference_run["val_loss"] < TOL
 
 
@@ -121,7 +112,7 @@ def test_recompute_of_every_second_block_across_stages_changes_no_number(schedul
     record = schedule_runs["1f1b_recompute_every_2nd_block"]
     # global block indices: the choice is the same however the blocks are split into stages
     assert record["switches"]["recomputed"] == {"layers.0": "full", "layers.2": "full"}
-    _check(record, reference_run)
+    assert_trains_like(record, reference_run, same_initial_weights=True)
     for key, value in schedule_runs["1f1b"]["final"].items():
         assert torch.equal(record["final"][key], value), key
 

@@ -4,13 +4,11 @@ from __future__ import annotations
 
 import pytest
 import torch
-
-from equivalence_setup import max_relative_error, run_reference
-from launch import run_workers
+from helpers.compare import TOL, assert_trains_like, max_relative_error
+from helpers.equivalence import run_reference
+from helpers.launch import run_workers
 
 pytestmark = [pytest.mark.distributed, pytest.mark.timeout(600)]
-
-TOL = 1e-5
 
 
 @pytest.fixture(scope="module")
@@ -48,35 +46,26 @@ def four_process_runs(tmp_path_factory):
     return run_workers(4, configs, tmp_path_factory.mktemp("four"))
 
 
-def _check(record, reference):
-    err = max_relative_error(record, reference)
-    assert err["loss"] < TOL, (err, record["losses"], reference["losses"])
-    assert err["weights"] < TOL, err
-    # The run really trained: weights moved well beyond the tolerance.
-    moved = max(float((reference["final"][k] - v).norm() / v.norm()) for k, v in reference["initial"].items())
-    assert moved > 1e-3
-
-
 def test_loss_and_weights_match_single_process_with_tp2(two_process_runs, reference_run):
-    _check(two_process_runs["tp2"], reference_run)
+    assert_trains_like(two_process_runs["tp2"], reference_run)
 
 
 def test_preflight_on_the_training_mesh_then_training_like_one_process(two_process_runs, reference_run):
-    _check(two_process_runs["tp2_after_preflight"], reference_run)
+    assert_trains_like(two_process_runs["tp2_after_preflight"], reference_run)
 
 
 def test_loss_and_weights_match_single_process_with_tp2_sequence_parallel(two_process_runs, reference_run):
-    _check(two_process_runs["tp2_sequence_parallel"], reference_run)
+    assert_trains_like(two_process_runs["tp2_sequence_parallel"], reference_run)
 
 
 @pytest.mark.parametrize("mode", ["fsdp", "replicate"])
 def test_loss_and_weights_match_single_process_with_dp2(two_process_runs, reference_run, mode):
-    _check(two_process_runs[f"dp2_{mode}"], reference_run)
+    assert_trains_like(two_process_runs[f"dp2_{mode}"], reference_run)
 
 
 @pytest.mark.parametrize("mode", ["fsdp", "replicate"])
 def test_loss_and_weights_match_single_process_with_tp2_dp2(four_process_runs, reference_run, mode):
-    _check(four_process_runs[f"tp2_dp2_{mode}"], reference_run)
+    assert_trains_like(four_process_runs[f"tp2_dp2_{mode}"], reference_run)
 
 
 def test_validation_loss_matches_single_process(two_process_runs, four_process_runs, reference_run):
@@ -100,7 +89,7 @@ def clipped_reference():
 
 
 def test_gradient_clipping_matches_single_process_with_tp2_dp2(four_process_runs, clipped_reference, reference_run):
-    _check(four_process_runs["tp2_dp2_fsdp_clip"], clipped_reference)
+    assert_trains_like(four_process_runs["tp2_dp2_fsdp_clip"], clipped_reference)
     # the clip was active: the clipped run differs from the unclipped one
     assert max_relative_error(clipped_reference, reference_run)["weights"] > 1e-3
 
@@ -110,7 +99,7 @@ def test_module_written_for_model_parallel_strategy_trains_like_one_process(two_
 
     reference = run_reference(module_factory=UserTPModule)
     for name in ("user_module_dp2", "user_module_tp2"):
-        _check(two_process_runs[name], reference)
+        assert_trains_like(two_process_runs[name], reference)
 
 
 # ---------------------------------------------------------------- recompute, compile, bf16
@@ -127,7 +116,7 @@ RECOMPUTED = {
 def test_recompute_changes_no_number(two_process_runs, reference_run, name):
     record = two_process_runs[name]
     assert record["switches"]["recomputed"] == RECOMPUTED[name]
-    _check(record, reference_run)
+    assert_trains_like(record, reference_run)
 
 
 def test_recompute_is_bitwise_identical_to_the_same_mesh_without_it(two_process_runs):
@@ -141,7 +130,7 @@ def test_recompute_is_bitwise_identical_to_the_same_mesh_without_it(two_process_
 def test_attention_only_recompute_with_tp2_dp2_matches_single_process(four_process_runs, reference_run):
     record = four_process_runs["tp2_dp2_fsdp_selective_attention"]
     assert record["switches"]["recomputed"] == {f"layers.{i}.self_attn": "full" for i in range(4)}
-    _check(record, reference_run)
+    assert_trains_like(record, reference_run)
 
 
 @pytest.mark.parametrize("name, compiled", [
@@ -152,7 +141,7 @@ def test_attention_only_recompute_with_tp2_dp2_matches_single_process(four_proce
 def test_compiled_blocks_train_like_one_process(two_process_runs, reference_run, name, compiled):
     record = two_process_runs[name]
     assert record["switches"]["compiled"] == compiled
-    _check(record, reference_run)
+    assert_trains_like(record, reference_run)
 
 
 def _update_cosine(record, reference):

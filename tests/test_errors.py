@@ -2,15 +2,14 @@
 
 from __future__ import annotations
 
-import pytest
-
 import lightning as L
+import pytest
+from helpers.equivalence import make_dataset
+from helpers.launch import torchrun
+
 from lightning_hybrid import HybridParallelStrategy
 from lightning_hybrid.distributed.parallel_dims import ParallelDims
 from lightning_hybrid.models import CausalLM, Qwen2Config
-
-from equivalence_setup import make_dataset
-from launch import torchrun
 
 
 def test_sizes_that_do_not_multiply_to_the_world_size_are_refused():
@@ -70,7 +69,7 @@ def test_indivisible_kv_heads_fail_on_every_rank_without_hanging(tmp_path):
         "import lightning as L\n"
         "from lightning_hybrid import HybridParallelStrategy\n"
         "from lightning_hybrid.models import CausalLM, Qwen2Config\n"
-        "from equivalence_setup import make_dataset\n"
+        "from helpers.equivalence import make_dataset\n"
         "config = Qwen2Config(vocab_size=256, hidden_size=64, intermediate_size=64, num_hidden_layers=2,\n"
         "                     num_attention_heads=4, num_key_value_heads=1)\n"
         "trainer = L.Trainer(strategy=HybridParallelStrategy(tp=2), accelerator='cpu', devices=2, max_steps=1,\n"

@@ -8,12 +8,13 @@ from pathlib import Path
 
 import pytest
 import torch
+from helpers.compare import same_tensors
+from helpers.launch import TESTS, torchrun
 
-from launch import HERE, torchrun
 from lightning_hybrid.callbacks.fault_tolerant import EXIT_CODE_PREEMPTED, FaultTolerantCheckpoint
-from lightning_hybrid.checkpoint.manifest import (CheckpointError, committed_checkpoints, find_resumable,
-                                                  set_aside_newer, verify_checkpoint)
+from lightning_hybrid.checkpoint.manifest import CheckpointError, committed_checkpoints, set_aside_newer
 from lightning_hybrid.checkpoint.sharded import check_model_config
+from lightning_hybrid.checkpoint.verify import find_resumable, verify_checkpoint
 
 pytestmark = [pytest.mark.distributed, pytest.mark.timeout(900)]
 
@@ -21,7 +22,7 @@ pytestmark = [pytest.mark.distributed, pytest.mark.timeout(900)]
 def _run(out: Path, ckpt: Path, check: bool = True, extra_args: tuple = (), timeout: float = 300, **env):
     out.mkdir(parents=True, exist_ok=True)
     variables = {"OUT": str(out), "CKPT": str(ckpt), **{k: str(v) for k, v in env.items()}}
-    return torchrun(4, [*extra_args, str(HERE / "ft_worker.py")], timeout=timeout, env=variables, check=check)
+    return torchrun(4, [*extra_args, str(TESTS / "ft_worker.py")], timeout=timeout, env=variables, check=check)
 
 
 def _losses(out: Path) -> list[dict]:
@@ -30,10 +31,6 @@ def _losses(out: Path) -> list[dict]:
 
 def _final(out: Path) -> dict:
     return torch.load(out / "final.pt", weights_only=False)
-
-
-def _same(a: dict, b: dict) -> bool:
-    return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
 
 
 @pytest.fixture(scope="module")
@@ -65,7 +62,7 @@ def test_each_async_checkpoint_holds_the_weights_of_its_own_step(baseline):
         meta = FileSystemReader(str(folder)).read_metadata()
         state = {k: torch.empty(meta.state_dict_metadata[f"model.{k}"].size) for k in expected}
         dcp.load({"model": state}, checkpoint_id=str(folder), no_dist=True)
-        assert _same(state, expected), step
+        assert same_tensors(state, expected), step
         if previous is not None:  # consecutive checkpoints differ exactly as the weights did
             changed = {k for k in expected if not torch.equal(expected[k], previous[k])}
             assert changed and changed == {k for k in state if not torch.equal(state[k], previous_state[k])}
@@ -77,7 +74,7 @@ def test_sigkill_of_one_rank_then_rerun_reaches_bitwise_the_same_weights(baselin
     assert result.returncode != 0
     _run(tmp_path, tmp_path / "ckpt")
     assert _final(tmp_path)["resumed_from"].endswith("step-000004")
-    assert _same(_final(tmp_path)["final"], _final(baseline)["final"])
+    assert same_tensors(_final(tmp_path)["final"], _final(baseline)["final"])
     losses = {(d["step"], d["loss"]) for d in _losses(tmp_path)}
     assert losses == {(d["step"], d["loss"]) for d in _losses(baseline)}  # joined with no gap or change
 
@@ -90,7 +87,7 @@ def test_kill_during_an_async_write_leaves_the_previous_checkpoint_and_resumes_f
     _run(tmp_path, tmp_path / "ckpt")
     assert not list((tmp_path / "ckpt").glob("*.tmp"))
     assert _final(tmp_path)["resumed_from"].endswith("step-000002")
-    assert _same(_final(tmp_path)["final"], _final(baseline)["final"])
+    assert same_tensors(_final(tmp_path)["final"], _final(baseline)["final"])
 
 
 def test_a_slow_background_write_on_one_rank_does_not_deadlock_training(baseline, tmp_path):
@@ -99,7 +96,7 @@ def test_a_slow_background_write_on_one_rank_does_not_deadlock_training(baseline
     _run(tmp_path, tmp_path / "ckpt", timeout=150, SLOW_WRITER_RANK=1)
     assert [c.step for c in committed_checkpoints(tmp_path / "ckpt")] == [8, 6, 4]
     assert verify_checkpoint(tmp_path / "ckpt" / "step-000008")["step"] == 8
-    assert _same(_final(tmp_path)["final"], _final(baseline)["final"])
+    assert same_tensors(_final(tmp_path)["final"], _final(baseline)["final"])
 
 
 def test_sigterm_saves_at_the_step_boundary_exits_with_code_75_and_rerun_resumes_there(baseline, tmp_path):
@@ -112,17 +109,17 @@ def test_sigterm_saves_at_the_step_boundary_exits_with_code_75_and_rerun_resumes
     _run(tmp_path, tmp_path / "ckpt")
     second = [d for d in _losses(tmp_path) if d["pid"] != _losses(tmp_path)[0]["pid"]]
     assert second[0]["step"] == 5
-    assert _same(_final(tmp_path)["final"], _final(baseline)["final"])
+    assert same_tensors(_final(tmp_path)["final"], _final(baseline)["final"])
 
 
 def test_a_failed_background_write_is_logged_removed_and_the_next_interval_saves(baseline, tmp_path):
     result = _run(tmp_path, tmp_path / "ckpt", FAIL_AT=4)
-    assert "checkpoint save failed (1 in a row): CheckpointWriteError" in result.stderr + result.stdout
+    assert "checkpoint save of step 4 failed (1 in a row): CheckpointWriteError" in result.stderr + result.stdout
     assert "rank 1: OSError: [Errno 28] No space left on device" in result.stderr + result.stdout
     names = [c.path.name for c in committed_checkpoints(tmp_path / "ckpt")]
     assert "step-000004" not in names and "step-000006" in names
     assert not list((tmp_path / "ckpt").glob("*.tmp"))
-    assert _same(_final(tmp_path)["final"], _final(baseline)["final"])
+    assert same_tensors(_final(tmp_path)["final"], _final(baseline)["final"])
 
 
 def test_a_hung_peer_ends_the_surviving_ranks_with_a_timeout_message(tmp_path):
@@ -179,7 +176,7 @@ def test_resume_uses_the_older_checkpoint_when_the_newest_is_damaged(baseline, t
     result = _run(tmp_path, ckpt)
     assert "skipping damaged checkpoint" in result.stderr + result.stdout
     assert _final(tmp_path)["resumed_from"].endswith("step-000004")
-    assert _same(_final(tmp_path)["final"], _final(baseline)["final"])
+    assert same_tensors(_final(tmp_path)["final"], _final(baseline)["final"])
     # The damaged step 6 was moved aside, so the resumed run saved step 6 anew (not skipped as "already saved").
     assert "moved the damaged checkpoint aside to" in result.stderr + result.stdout
     # every rank checked a slice of the chosen checkpoint's files (not rank 0 alone)

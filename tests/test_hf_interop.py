@@ -11,11 +11,12 @@ from pathlib import Path
 
 import pytest
 import torch
+from helpers.launch import TESTS, torchrun
 
-from launch import HERE, torchrun
-from lightning_hybrid.checkpoint import hf
 from lightning_hybrid.checkpoint.export import export_hf, export_main, parse_size
+from lightning_hybrid.hub import resolve_hf_path
 from lightning_hybrid.models import Qwen2, Qwen2Config
+from lightning_hybrid.models.qwen2 import hf
 
 TINY = dict(vocab_size=256, hidden_size=64, intermediate_size=176, num_hidden_layers=4, num_attention_heads=4,
             num_key_value_heads=2, max_position_embeddings=1024, rope_theta=10000.0, rms_norm_eps=1e-6,
@@ -36,7 +37,8 @@ def save_tokenizer(folder: Path) -> None:
 
 def build_hf_model(tie: bool, seed: int = 0):
     """A random transformers Qwen2ForCausalLM; biases and norm scales are perturbed too, so a wrong mapping shows."""
-    from transformers import Qwen2Config as HFConfig, Qwen2ForCausalLM
+    from transformers import Qwen2Config as HFConfig
+    from transformers import Qwen2ForCausalLM
 
     torch.manual_seed(seed)
     model = Qwen2ForCausalLM(HFConfig(**TINY, tie_word_embeddings=tie)).eval()
@@ -169,14 +171,14 @@ def test_repo_id_resolves_from_the_offline_cache(folders, tmp_path, monkeypatch,
     (repo / "refs" / "main").write_text(commit)
     monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
     monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path))
-    assert hf.resolve_hf_path("org/tiny-qwen2") == repo / "snapshots" / commit
+    assert resolve_hf_path("org/tiny-qwen2") == repo / "snapshots" / commit
     with torch.no_grad():
         torch.testing.assert_close(Qwen2.from_hf("org/tiny-qwen2")(inputs), hf_logits(folders["single"], inputs),
                                    rtol=1e-5, atol=1e-5)
     with pytest.raises(FileNotFoundError, match=r"'org/absent' is not in the local cache .* HF_HUB_OFFLINE=1"):
-        hf.resolve_hf_path("org/absent")
+        resolve_hf_path("org/absent")
     with pytest.raises(FileNotFoundError, match="no such folder, and not a Hugging Face repo id"):
-        hf.resolve_hf_path(str(tmp_path / "nowhere" / "at" / "all"))
+        resolve_hf_path(str(tmp_path / "nowhere" / "at" / "all"))
 
 
 # ---------------------------------------------------------------------------------------------- errors
@@ -327,7 +329,7 @@ def parallel_run(folders, inputs, tmp_path_factory):
     train the first 2 steps, predict, save."""
     out = tmp_path_factory.mktemp("parallel")
     torch.save(inputs, out / "inputs.pt")
-    result = torchrun(4, [str(HERE / "hf_worker.py"), str(folders["sharded"]), str(out / "inputs.pt"), str(out)],
+    result = torchrun(4, [str(TESTS / "hf_worker.py"), str(folders["sharded"]), str(out / "inputs.pt"), str(out)],
                       timeout=280, check=False)
     record_path = out / "record.pt"
     if not record_path.is_file():

@@ -14,10 +14,10 @@ import json
 import sys
 from pathlib import Path
 
+import lightning as L
 import pytest
 import torch
-
-import lightning as L
+from helpers.compare import local_tensor
 from torch.distributed.tensor import DTensor
 
 from lightning_hybrid.models import CausalLM, Qwen2, Qwen2Config
@@ -32,12 +32,6 @@ def full_counts(config: Qwen2Config) -> dict[str, tuple[int, bool]]:
     return {name: (p.numel(), "norm" in name) for name, p in model.named_parameters()}
 
 
-def _local(t: torch.Tensor) -> torch.Tensor:
-    from torch.distributed.tensor import DTensor
-
-    return t.to_local() if isinstance(t, DTensor) else t
-
-
 class LocalCounts(L.Callback):
     """At the first optimizer step: this rank's numel of parameters, gradients and Adam moments, and its names."""
 
@@ -47,14 +41,14 @@ class LocalCounts(L.Callback):
 
     def on_before_optimizer_step(self, trainer, pl_module, optimizer) -> None:
         # A pipeline's gradients are dropped right after the step, so they are counted before it.
-        self.record["grads"] = sum(_local(p.grad).numel() for p in pl_module.model.parameters() if p.grad is not None)
+        self.record["grads"] = sum(local_tensor(p.grad).numel() for p in pl_module.model.parameters() if p.grad is not None)
         self.record["grads_are_dtensors"] = all(isinstance(p.grad, DTensor) for p in pl_module.model.parameters())
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
         from lightning_hybrid.callbacks.throughput import training_state_bytes
         from lightning_hybrid.distributed.init_weights import canonical_name
 
-        local = _local
+        local = local_tensor
         params = list(pl_module.model.parameters())
         optimizer = trainer.optimizers[0]
         states = [optimizer.state[p] for p in params]
@@ -98,7 +92,7 @@ def _worker(out: Path, tp: int, pp: int, dp: int) -> None:
 
 @pytest.fixture(scope="module", params=sorted(MESHES))
 def rank_counts(request, tmp_path_factory) -> tuple[tuple[int, int, int], list[dict]]:
-    from launch import torchrun
+    from helpers.launch import torchrun
 
     mesh = MESHES[request.param]
     out = tmp_path_factory.mktemp("memory")

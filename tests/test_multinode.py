@@ -12,17 +12,14 @@ from __future__ import annotations
 import json
 import os
 import re
-import signal
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
-
-from launch import free_port
+from helpers.launch import free_port, kill_process_group, worker_env
 
 REPO = Path(__file__).resolve().parents[1]
-HERE = Path(__file__).resolve().parent
 TINY = REPO / "recipes" / "tiny-cpu.yaml"
 NODES, PER_NODE = 2, 2
 
@@ -42,8 +39,7 @@ def agent_command(node_rank: int, port: int, run_id: str) -> list[str]:
 
 def run_two_nodes(tmp_path: Path, timeout: float = 240) -> list[subprocess.CompletedProcess]:
     """Start both agents at once and wait for both; a hang fails after ``timeout`` seconds and leaves nothing running."""
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "MESH_PROBE_DIR": str(tmp_path),
-           "PYTHONPATH": f"{HERE}:{os.environ.get('PYTHONPATH', '')}"}
+    env = worker_env({"MESH_PROBE_DIR": str(tmp_path)})  # the tests folder on PYTHONPATH: mesh_probe.MeshProbe
     port, run_id = free_port(), f"multinode-{os.getpid()}"
     agents = [subprocess.Popen(agent_command(rank, port, run_id), cwd=tmp_path, env=env, stdout=subprocess.PIPE,
                                stderr=subprocess.STDOUT, text=True, start_new_session=True)
@@ -56,7 +52,7 @@ def run_two_nodes(tmp_path: Path, timeout: float = 240) -> list[subprocess.Compl
     except subprocess.TimeoutExpired:
         for agent in agents:  # torchrun and its workers share the session started for them
             if agent.poll() is None:
-                os.killpg(agent.pid, signal.SIGKILL)
+                kill_process_group(agent)
         raise AssertionError(f"the two torchrun agents did not finish within {timeout} s")
     for rank, result in enumerate(results):
         assert result.returncode == 0, f"node {rank} failed ({result.returncode}):\n{result.stdout[-6000:]}"

@@ -21,7 +21,7 @@ from typing import Any, Optional
 import pytest
 import yaml
 
-from launch import torchrun
+from helpers.launch import torchrun
 
 REPO = Path(__file__).resolve().parents[1]
 RECIPES = sorted((REPO / "recipes").glob("*.yaml"))

@@ -26,12 +26,11 @@ import subprocess
 import sys
 import threading
 import time
-from collections import deque
 from pathlib import Path
 from typing import Callable, Optional, Union
 
-__all__ = ["launch_cli", "read_scalars", "latest_version_dir", "free_port", "torchrun_command", "worker_pids",
-           "LocalJob"]
+__all__ = ["launch_cli", "read_scalars", "latest_version_dir", "free_port", "torchrun_command", "launcher_command",
+           "kill_process_group", "worker_pids", "LocalJob"]
 
 # Options whose value is a path: made absolute, because the child process runs in ``log_dir``.
 _PATH_OPTIONS = ("--config", "-c")
@@ -42,6 +41,25 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
+
+
+def launcher_command(nproc: int, port: Optional[int] = None) -> list[str]:
+    """``python -m torch.distributed.run --nproc_per_node N --master_addr 127.0.0.1 --master_port PORT``.
+
+    The script (or ``-m module``) to launch and its arguments follow. The tests' launcher
+    (``tests/helpers/launch.py``) starts its worker scripts with it too.
+
+    Args:
+        nproc: processes on this machine.
+        port: rendezvous port on 127.0.0.1; ``None`` picks a free one.
+
+    Raises:
+        ValueError: ``nproc`` is not a positive integer.
+    """
+    if not isinstance(nproc, int) or isinstance(nproc, bool) or nproc < 1:
+        raise ValueError(f"nproc={nproc!r} must be a positive integer (processes to start)")
+    return [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc),
+            "--master_addr", "127.0.0.1", "--master_port", str(port or free_port())]
 
 
 def torchrun_command(args: list[str], nproc: int, port: Optional[int] = None) -> list[str]:
@@ -55,13 +73,10 @@ def torchrun_command(args: list[str], nproc: int, port: Optional[int] = None) ->
     Raises:
         ValueError: ``nproc`` is not a positive integer or ``args`` is empty.
     """
-    if not isinstance(nproc, int) or isinstance(nproc, bool) or nproc < 1:
-        raise ValueError(f"nproc={nproc!r} must be a positive integer (processes to start)")
+    launcher = launcher_command(nproc, port)
     if not args:
         raise ValueError("args is empty; start it with a subcommand, e.g. ['fit', '--config', 'recipes/tiny-cpu.yaml']")
-    return [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc),
-            "--master_addr", "127.0.0.1", "--master_port", str(port or free_port()),
-            "-m", "lightning_hybrid.cli", *args]
+    return [*launcher, "-m", "lightning_hybrid.cli", *args]
 
 
 def _absolute_paths(args: list[str]) -> list[str]:
@@ -200,8 +215,12 @@ class LocalJob:
         return pid
 
 
-def _kill_group(proc: subprocess.Popen) -> None:
-    """Kill torchrun and the workers it started (they share the session this module gave torchrun)."""
+def kill_process_group(proc: subprocess.Popen) -> None:
+    """Kill torchrun and the workers it started.
+
+    ``proc`` must have been started with ``start_new_session=True`` (as here and in the tests' launcher): torchrun
+    and its workers then share a process group of their own, and none of them is left behind.
+    """
     try:
         os.killpg(proc.pid, signal.SIGKILL)
     except ProcessLookupError:
@@ -213,6 +232,45 @@ def _pump(proc: subprocess.Popen, pending: queue.Queue) -> None:
     for raw in proc.stdout:
         pending.put(raw.rstrip("\n"))
     pending.put(None)
+
+
+def _follow(job: LocalJob, deadline: float, echo: Optional[Callable[[str], None]], keep: Callable[[str], bool],
+            on_line: Optional[Callable[[str, LocalJob], None]]) -> tuple[list[str], bool]:
+    """Pass the job's output lines on as they arrive until it ends; ``(all lines, whether it ran past deadline)``.
+
+    A reader thread feeds a queue; this thread echoes (so output lands in the calling cell) and watches the clock
+    (``time.perf_counter()`` against ``deadline``). On a timeout, or any exception (an interrupted cell), the job's
+    whole process group is killed: no worker is left behind.
+    """
+    proc = job.proc
+    pending: queue.Queue = queue.Queue()
+    reader = threading.Thread(target=_pump, args=(proc, pending), daemon=True)
+    reader.start()
+    lines: list[str] = []
+    timed_out = False
+    try:
+        while True:
+            if time.perf_counter() > deadline:
+                timed_out = True
+                kill_process_group(proc)
+                break
+            try:
+                line = pending.get(timeout=0.2)
+            except queue.Empty:
+                continue
+            if line is None:  # end of output
+                break
+            lines.append(line)
+            if echo is not None and keep(line):
+                echo(line)
+            if on_line is not None:
+                on_line(line, job)
+    except BaseException:  # an interrupted cell must not leave workers behind
+        kill_process_group(proc)
+        raise
+    proc.wait()
+    reader.join(timeout=5)
+    return lines, timed_out
 
 
 def launch_cli(args: list[str], nproc: int, log_dir: Union[str, Path], timeout: float = 600,
@@ -249,44 +307,15 @@ def launch_cli(args: list[str], nproc: int, log_dir: Union[str, Path], timeout: 
     cmd = torchrun_command(_absolute_paths(list(args)), nproc)
     child_env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", **(env or {})}
     start = time.perf_counter()
-    lines: list[str] = []
-    tail: deque[str] = deque(maxlen=40)
     proc = subprocess.Popen(cmd, cwd=log_dir, env=child_env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                             text=True, bufsize=1, start_new_session=True)
-    # A reader thread feeds a queue; this thread echoes (so output lands in the calling cell) and watches the clock.
-    pending: queue.Queue = queue.Queue()
     job = LocalJob(proc, nproc)
-    reader = threading.Thread(target=_pump, args=(proc, pending), daemon=True)
-    reader.start()
-    timed_out = False
-    try:
-        while True:
-            if time.perf_counter() - start > timeout:
-                timed_out = True
-                _kill_group(proc)
-                break
-            try:
-                line = pending.get(timeout=0.2)
-            except queue.Empty:
-                continue
-            if line is None:  # end of output
-                break
-            lines.append(line)
-            tail.append(line)
-            if echo is not None and keep(line):
-                echo(line)
-            if on_line is not None:
-                on_line(line, job)
-    except BaseException:  # an interrupted cell must not leave workers behind
-        _kill_group(proc)
-        raise
-    proc.wait()
-    reader.join(timeout=5)
+    lines, timed_out = _follow(job, start + timeout, echo, keep, on_line)
     seconds = time.perf_counter() - start
     if timed_out or (check and proc.returncode != 0):
         why = f"ran past timeout={timeout:g} s" if timed_out else f"exited with code {proc.returncode}"
         raise RuntimeError(f"lightning-hybrid {' '.join(args[:1])} on {nproc} processes {why}; last lines:\n"
-                           + "\n".join(tail))
+                           + "\n".join(lines[-40:]))
     run_dir = latest_version_dir(log_dir)
     scalars = read_scalars(run_dir) if run_dir is not None else {}
     return {"returncode": proc.returncode, "seconds": seconds, "log_dir": run_dir, "scalars": scalars,

@@ -1,13 +1,16 @@
-"""The fixed problem every equivalence test trains: tiny Qwen2, random tokens with some ignored labels."""
+"""The fixed problem every equivalence test trains: tiny Qwen2, random tokens with some ignored labels.
+
+Imported by the tests and by the workers they launch (``dist_worker.py``, ``ft_worker.py``); records are compared
+with :mod:`helpers.compare`.
+"""
 
 from __future__ import annotations
 
 from typing import Optional
 
+import lightning as L
 import torch
 from torch.utils.data import DataLoader, TensorDataset
-
-import lightning as L
 
 from lightning_hybrid.models import Qwen2Config
 
@@ -99,16 +102,3 @@ def run_reference(module_factory=None, evaluate: bool = False, **trainer_extra) 
         inputs = DataLoader([x for x, _ in val.dataset], batch_size=val.batch_size)
         record["logits"] = trainer.predict(module, dataloaders=inputs)[0]
     return record
-
-
-def max_relative_error(record: dict, reference: dict) -> dict[str, float]:
-    """Worst relative error of the losses and of the final weights (per-tensor norm of the difference)."""
-    losses = max(abs(a - b) / abs(b) for a, b in zip(record["losses"], reference["losses"]))
-    assert len(record["losses"]) == len(reference["losses"]) == STEPS, (record["losses"], reference["losses"])
-    assert record["final"].keys() == reference["final"].keys(), set(record["final"]) ^ set(reference["final"])
-    # Relative error of the whole weight vector. Per tensor it is ill-posed for tensors whose exact
-    # gradient is zero (k_proj biases: softmax ignores a constant shift of the keys) and that hold
-    # only Adam-normalized rounding noise.
-    diff = torch.cat([(record["final"][k] - v).flatten() for k, v in reference["final"].items()])
-    full = torch.cat([v.flatten() for v in reference["final"].values()])
-    return {"loss": losses, "weights": float(diff.norm() / full.norm())}

@@ -1,0 +1,52 @@
+"""Comparisons of tensors and of training records (``dist_worker.py``'s records, ``run_reference``'s)."""
+
+from __future__ import annotations
+
+import torch
+
+from helpers.equivalence import STEPS
+
+__all__ = ["TOL", "same_tensors", "local_tensor", "max_relative_error", "assert_trains_like"]
+
+TOL = 1e-5  # fp32 rounding from another reduction order; anything else is a bug
+
+
+def same_tensors(a: dict, b: dict) -> bool:
+    """The same names, and bitwise equal tensors under every name."""
+    return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def local_tensor(t: torch.Tensor) -> torch.Tensor:
+    """This rank's piece of a DTensor; a plain tensor as it is."""
+    from torch.distributed.tensor import DTensor
+
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
+def max_relative_error(record: dict, reference: dict) -> dict[str, float]:
+    """Worst relative error of the losses and of the final weights (per-tensor norm of the difference)."""
+    losses = max(abs(a - b) / abs(b) for a, b in zip(record["losses"], reference["losses"]))
+    assert len(record["losses"]) == len(reference["losses"]) == STEPS, (record["losses"], reference["losses"])
+    assert record["final"].keys() == reference["final"].keys(), set(record["final"]) ^ set(reference["final"])
+    # Relative error of the whole weight vector. Per tensor it is ill-posed for tensors whose exact
+    # gradient is zero (k_proj biases: softmax ignores a constant shift of the keys) and that hold
+    # only Adam-normalized rounding noise.
+    diff = torch.cat([(record["final"][k] - v).flatten() for k, v in reference["final"].items()])
+    full = torch.cat([v.flatten() for v in reference["final"].values()])
+    return {"loss": losses, "weights": float(diff.norm() / full.norm())}
+
+
+def assert_trains_like(record: dict, reference: dict, same_initial_weights: bool = False) -> None:
+    """``record`` trained like the one-process ``reference``: every step's loss and the final weights within ``TOL``.
+
+    The reference really trained (its weights moved well beyond the tolerance), so agreeing is not trivial. With
+    ``same_initial_weights`` the run must also have started from bitwise the reference's weights.
+    """
+    err = max_relative_error(record, reference)
+    assert err["loss"] < TOL, (err, record["losses"], reference["losses"])
+    assert err["weights"] < TOL, err
+    moved = max(float((reference["final"][k] - v).norm() / v.norm()) for k, v in reference["initial"].items())
+    assert moved > 1e-3
+    if same_initial_weights:
+        for key, value in reference["initial"].items():
+            assert torch.equal(record["initial"][key], value), key

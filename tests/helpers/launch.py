@@ -1,0 +1,60 @@
+"""Launch a test worker on N local gloo processes with torchrun, with a hard timeout.
+
+The command line and the kill of the whole process group on a timeout are the package's own
+(:mod:`lightning_hybrid.launch.torchrun`, also behind the notebooks' ``launch_cli``); this adds what tests need:
+``PYTHONPATH`` pointing at the tests folder (workers import ``helpers``, ``user_module``, ``mesh_probe``),
+stdout and stderr captured apart, and an ``AssertionError`` with the output's tail on a failure or a hang.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+from pathlib import Path
+from typing import Optional
+
+from lightning_hybrid.launch.torchrun import free_port, kill_process_group, launcher_command
+
+__all__ = ["TESTS", "free_port", "kill_process_group", "worker_env", "torchrun", "run_workers"]
+
+TESTS = Path(__file__).resolve().parents[1]  # the tests folder: worker scripts live here
+
+
+def worker_env(extra: Optional[dict] = None) -> dict[str, str]:
+    """This process's environment for a launched worker: one thread per process, the tests folder importable."""
+    return {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": f"{TESTS}:{os.environ.get('PYTHONPATH', '')}",
+            **(extra or {})}
+
+
+def torchrun(nproc: int, args: list[str], timeout: float = 240, env: Optional[dict] = None,
+             check: bool = True) -> subprocess.CompletedProcess:
+    """Run ``torchrun --nproc_per_node nproc args...``; a hang fails after ``timeout`` seconds."""
+    cmd = [*launcher_command(nproc), *args]
+    # torchrun and its workers share a new session: on a timeout all of them are killed, so a hung test leaves
+    # no workers behind to slow down (or hold ports for) the rest of the suite.
+    proc = subprocess.Popen(cmd, env=worker_env(env), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True)
+    try:
+        stdout, stderr = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        kill_process_group(proc)
+        stdout, stderr = proc.communicate()
+        raise AssertionError(f"torchrun {' '.join(args)} ran past {timeout} s (killed):\n{stdout[-4000:]}\n"
+                             f"{stderr[-8000:]}") from None
+    result = subprocess.CompletedProcess(cmd, proc.returncode, stdout, stderr)
+    if check and result.returncode != 0:
+        raise AssertionError(f"torchrun failed ({result.returncode}):\n{result.stdout[-4000:]}\n"
+                             f"{result.stderr[-8000:]}")
+    return result
+
+
+def run_workers(nproc: int, configs: list[dict], out: Path, timeout: float = 300) -> dict[str, dict]:
+    """Run ``dist_worker.py`` over ``configs`` in one process group; return each configuration's record."""
+    out.mkdir(parents=True, exist_ok=True)
+    spec = out / "configs.json"
+    spec.write_text(json.dumps(configs))
+    torchrun(nproc, [str(TESTS / "dist_worker.py"), str(spec), str(out)], timeout=timeout)
+    import torch
+
+    return {c["name"]: torch.load(out / f"{c['name']}.pt", weights_only=False) for c in configs}

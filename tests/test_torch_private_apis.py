@@ -1,0 +1,302 @@
+"""The private torch and Lightning APIs the package relies on still exist and behave as its wrappers expect.
+
+Each private API is used in exactly one named function of the package (the *wrapper*). When torch or Lightning
+changes one of them, the test here fails with a message naming that wrapper: fix it there, nowhere else.
+
+Wrappers (in ``lightning_hybrid.distributed``) and the private APIs they use:
+
+- ``pipeline.runner.forward_only_order``: ``torch.distributed.pipelining.schedules._Action``, ``_ComputationType``,
+  ``_add_send_recv``, ``_add_unshard_reshard``; a V schedule's ``pipeline_order_with_comms``,
+  ``stage_index_to_group_rank`` and ``_num_stages``;
+- ``parallel_dims._group_timeout``: ``torch.distributed.distributed_c10d.default_pg_timeout`` and
+  ``default_pg_nccl_timeout``, read by ``new_group`` when DeviceMesh creates its groups;
+- ``parallel_dims._lightning_names``: ``DeviceMesh._flatten``;
+- ``clip_grad.use_global_norm_clipping``: Lightning's ``Precision.clip_gradients(optimizer, val, "norm")`` calling
+  ``self.clip_grad_by_norm(optimizer, val)``;
+- ``clip_grad._is_split``: ``torch.distributed.tensor.placement_types._StridedShard``;
+- ``init_weights.local_region``: ``torch.distributed.tensor._utils.compute_local_shape_and_global_offset``.
+
+All single-process: the pipeline schedules are built over stand-in stages, the clipping runs without a process
+group, and the DeviceMesh tests use a one-process gloo group on 127.0.0.1 (destroyed after each test).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib
+import inspect
+import types
+from datetime import timedelta
+from typing import Any, Iterator
+
+import lightning
+import pytest
+import torch
+import torch.distributed as dist
+
+from lightning_hybrid.launch.torchrun import free_port
+
+FORWARD_ONLY_ORDER = "lightning_hybrid.distributed.pipeline.runner.forward_only_order"
+GROUP_TIMEOUT = "lightning_hybrid.distributed.parallel_dims._group_timeout"
+LIGHTNING_NAMES = "lightning_hybrid.distributed.parallel_dims._lightning_names"
+GLOBAL_NORM_CLIPPING = "lightning_hybrid.distributed.clip_grad.use_global_norm_clipping"
+IS_SPLIT = "lightning_hybrid.distributed.clip_grad._is_split"
+LOCAL_REGION = "lightning_hybrid.distributed.init_weights.local_region"
+
+
+def broken(wrapper: str, what: str) -> str:
+    return (f"{what} (torch {torch.__version__}, lightning {lightning.__version__}): a private API changed; "
+            f"fix {wrapper}, the one place that uses it")
+
+
+def private(module: str, name: str, wrapper: str) -> Any:
+    """``module.name``, failing with the wrapper to fix when it is gone."""
+    found = importlib.import_module(module)
+    assert hasattr(found, name), broken(wrapper, f"{module}.{name} is gone")
+    return getattr(found, name)
+
+
+def takes(func: Any, parameters: list[str], wrapper: str) -> None:
+    """``func`` still has the named parameters the wrapper passes."""
+    signature = inspect.signature(func)
+    missing = [name for name in parameters if name not in signature.parameters]
+    assert not missing, broken(wrapper, f"{func.__qualname__}{signature} has no parameter {', '.join(missing)}")
+
+
+@contextlib.contextmanager
+def blame(wrapper: str) -> Iterator[None]:
+    """An exception inside (other than a failed assertion) fails the test naming the wrapper to fix."""
+    try:
+        yield
+    except AssertionError:
+        raise
+    except Exception as err:  # noqa: BLE001 - any change of behaviour is reported the same way
+        pytest.fail(broken(wrapper, f"{type(err).__name__}: {err}"))
+
+
+def wrapper_function(dotted: str) -> Any:
+    module, _, name = dotted.rpartition(".")
+    return private(module, name, dotted)
+
+
+# ---------------------------------------------------------------------------------- forward-only pipeline order
+
+SCHEDULES = "torch.distributed.pipelining.schedules"
+
+
+def test_pipeline_action_types_and_lowering_passes_exist_with_the_parameters_used():
+    action = private(SCHEDULES, "_Action", FORWARD_ONLY_ORDER)
+    kinds = private(SCHEDULES, "_ComputationType", FORWARD_ONLY_ORDER)
+    takes(action, ["stage_index", "computation_type", "microbatch_index"], FORWARD_ONLY_ORDER)
+    for member in ("FORWARD", "SEND_F", "RECV_F"):
+        assert hasattr(kinds, member), broken(FORWARD_ONLY_ORDER, f"_ComputationType has no {member}")
+    takes(private(SCHEDULES, "_add_unshard_reshard", FORWARD_ONLY_ORDER), ["compute_actions"], FORWARD_ONLY_ORDER)
+    takes(private(SCHEDULES, "_add_send_recv", FORWARD_ONLY_ORDER), ["compute_actions", "stage_to_rank", "num_stages"],
+          FORWARD_ONLY_ORDER)
+
+
+def _v_schedule(name: str, pp: int, pp_rank: int, microbatches: int) -> Any:
+    """A real torch V schedule over stand-in stages (building one needs no process group)."""
+    from torch.distributed.pipelining.schedules import get_schedule_class
+
+    stages = [types.SimpleNamespace(stage_index=i, num_stages=2 * pp, group_size=pp, group_rank=pp_rank,
+                                    is_first=i == 0, is_last=i == 2 * pp - 1, submod=torch.nn.Linear(2, 2))
+              for i in (pp_rank, 2 * pp - 1 - pp_rank)]
+    try:
+        return get_schedule_class(name)(stages, n_microbatches=microbatches, loss_fn=lambda out, target: out.sum())
+    except Exception as err:  # noqa: BLE001
+        pytest.fail(f"building a {name} schedule over stand-in stages failed ({type(err).__name__}: {err}); the "
+                    f"schedule constructor changed: update _v_schedule in this test, then check {FORWARD_ONLY_ORDER}")
+
+
+@pytest.mark.parametrize("name", ["ZBVZeroBubble", "DualPipeV"])
+def test_forward_only_order_lowers_to_forwards_with_sends_and_receives_and_restores_the_schedule(name):
+    from torch.distributed.pipelining.schedules import _ComputationType
+
+    forward_only_order = wrapper_function(FORWARD_ONLY_ORDER)
+    pp, microbatches = 2, 4
+    schedule = _v_schedule(name, pp, 0, microbatches)
+    for attribute in ("pipeline_order_with_comms", "stage_index_to_group_rank", "_num_stages"):
+        assert hasattr(schedule, attribute), broken(FORWARD_ONLY_ORDER, f"a {name} schedule has no {attribute}")
+    training_order = schedule.pipeline_order_with_comms
+    stage_to_rank = dict(schedule.stage_index_to_group_rank)
+    assert schedule._num_stages == 2 * pp and sorted(stage_to_rank) == list(range(2 * pp)), broken(
+        FORWARD_ONLY_ORDER, f"{name}: _num_stages={schedule._num_stages}, stage_index_to_group_rank={stage_to_rank}")
+    with blame(FORWARD_ONLY_ORDER), forward_only_order(schedule, microbatches):
+        order = schedule.pipeline_order_with_comms
+    assert schedule.pipeline_order_with_comms is training_order, "the training order was not restored"
+    for rank in range(pp):
+        stages = sorted(s for s, r in stage_to_rank.items() if r == rank)
+        actions = [a for a in order[rank] if a is not None]
+
+        def of(kind: Any) -> list[tuple[int, int]]:
+            return [(a.stage_index, a.microbatch_index) for a in actions if a.computation_type == kind]
+
+        # every forward of this rank's stages, lowest stage first, no backward of any kind
+        assert of(_ComputationType.FORWARD) == [(s, mb) for s in stages for mb in range(microbatches)], broken(
+            FORWARD_ONLY_ORDER, f"rank {rank}'s lowered forward-only order is {[str(a) for a in actions]}")
+        kinds = {a.computation_type for a in actions}
+        assert kinds <= {_ComputationType.FORWARD, _ComputationType.SEND_F, _ComputationType.RECV_F,
+                         _ComputationType.UNSHARD, _ComputationType.RESHARD}, broken(
+            FORWARD_ONLY_ORDER, f"rank {rank}'s lowered forward-only order holds {sorted(map(str, kinds))}")
+        # activations travel between ranks: sent where the next stage is elsewhere, received from the previous one
+        sends = {(s, mb) for s in stages if s + 1 < 2 * pp and stage_to_rank[s + 1] != rank
+                 for mb in range(microbatches)}
+        receives = {(s, mb) for s in stages if s > 0 and stage_to_rank[s - 1] != rank
+                    for mb in range(microbatches)}
+        assert set(of(_ComputationType.SEND_F)) == sends and set(of(_ComputationType.RECV_F)) == receives, broken(
+            FORWARD_ONLY_ORDER, f"rank {rank}'s sends/receives are {[str(a) for a in actions]}")
+
+
+def test_forward_only_order_restores_the_training_order_after_an_error():
+    forward_only_order = wrapper_function(FORWARD_ONLY_ORDER)
+    schedule = _v_schedule("ZBVZeroBubble", 2, 1, 4)
+    training_order = schedule.pipeline_order_with_comms
+    with pytest.raises(RuntimeError, match="evaluation failed"):  # the lowering itself is checked above
+        with forward_only_order(schedule, 4):
+            raise RuntimeError("evaluation failed")
+    assert schedule.pipeline_order_with_comms is training_order
+
+
+# ---------------------------------------------------------------------------------- clipping through Lightning
+
+def _precision(name: str) -> Any:
+    from lightning.pytorch.plugins.precision import HalfPrecision, MixedPrecision, Precision
+
+    return {"32-true": lambda: Precision(), "bf16-true": lambda: HalfPrecision("bf16-true"),
+            "bf16-mixed": lambda: MixedPrecision("bf16-mixed", "cpu")}[name]()
+
+
+def test_lightning_precision_clips_by_norm_through_clip_grad_by_norm():
+    from lightning.pytorch.plugins.precision import Precision
+
+    takes(Precision.clip_gradients, ["optimizer", "clip_val", "gradient_clip_algorithm"], GLOBAL_NORM_CLIPPING)
+    takes(Precision.clip_grad_by_norm, ["optimizer", "clip_val"], GLOBAL_NORM_CLIPPING)
+
+
+@pytest.mark.parametrize("precision", ["32-true", "bf16-true", "bf16-mixed"])
+def test_lightning_routes_norm_clipping_to_the_global_norm(precision, monkeypatch):
+    import lightning_hybrid.distributed.clip_grad as clip_grad
+
+    assert not dist.is_initialized(), "this test runs without a process group (global_grad_norm needs none)"
+    use_global_norm_clipping = wrapper_function(GLOBAL_NORM_CLIPPING)
+    torch.manual_seed(0)
+    model = torch.nn.Linear(8, 4)
+    model(torch.randn(16, 8)).pow(2).sum().backward()
+    norm_before = float(torch.cat([p.grad.flatten() for p in model.parameters()]).norm())
+    assert norm_before > 1.0
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+
+    calls = []
+    ours = clip_grad.clip_grad_norm_global
+
+    def spy(parameters, max_norm, ranks_per_stage, group=None):
+        parameters = list(parameters)
+        calls.append((len(parameters), max_norm, ranks_per_stage))
+        return ours(parameters, max_norm, ranks_per_stage, group)
+
+    def per_rank_clip(*args, **kwargs):
+        raise AssertionError(broken(GLOBAL_NORM_CLIPPING, "Lightning clipped with torch's per-rank clip_grad_norm_"))
+
+    monkeypatch.setattr(clip_grad, "clip_grad_norm_global", spy)
+    monkeypatch.setattr(torch.nn.utils, "clip_grad_norm_", per_rank_clip)
+    plugin = _precision(precision)
+    use_global_norm_clipping(plugin, ranks_per_stage=1)
+    with blame(GLOBAL_NORM_CLIPPING):
+        plugin.clip_gradients(optimizer, clip_val=0.5, gradient_clip_algorithm="norm")
+    assert calls == [(2, 0.5, 1)], broken(
+        GLOBAL_NORM_CLIPPING, f"{type(plugin).__name__}.clip_gradients(..., 'norm') did not call clip_grad_by_norm "
+                              f"(calls of ours: {calls})")
+    norm_after = float(torch.cat([p.grad.flatten() for p in model.parameters()]).norm())
+    assert norm_after == pytest.approx(0.5, rel=1e-4), (norm_before, norm_after)
+
+
+def test_strided_shard_counts_as_a_split_placement():
+    from torch.distributed.tensor.placement_types import Partial, Replicate, Shard
+
+    strided = private("torch.distributed.tensor.placement_types", "_StridedShard", IS_SPLIT)
+    takes(strided, ["dim", "split_factor"], IS_SPLIT)
+    is_split = wrapper_function(IS_SPLIT)
+    with blame(IS_SPLIT):
+        assert is_split(strided(0, split_factor=2)) and is_split(Shard(1)), broken(IS_SPLIT, "a shard is not split")
+        assert not is_split(Replicate()) and not is_split(Partial()), broken(IS_SPLIT, "a replica counts as split")
+
+
+# ---------------------------------------------------------------------------------- one-process gloo group
+
+C10D = "torch.distributed.distributed_c10d"
+
+
+@pytest.fixture
+def gloo_world() -> Iterator[None]:
+    assert not dist.is_initialized(), "a process group is already initialized in this process"
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+
+
+def _timeout_of(group: Any) -> timedelta:
+    try:
+        return group._get_backend(torch.device("cpu")).options._timeout
+    except AttributeError as err:
+        pytest.fail(f"this test reads a group's timeout through ProcessGroup._get_backend(cpu).options._timeout, "
+                    f"which changed ({err}): update _timeout_of here, then check {GROUP_TIMEOUT}")
+
+
+def test_c10d_default_timeouts_exist():
+    assert isinstance(private(C10D, "default_pg_timeout", GROUP_TIMEOUT), timedelta), broken(
+        GROUP_TIMEOUT, "c10d.default_pg_timeout is no timedelta")
+    nccl = private(C10D, "default_pg_nccl_timeout", GROUP_TIMEOUT)  # None when torch is built without NCCL
+    assert nccl is None or isinstance(nccl, timedelta), broken(GROUP_TIMEOUT, f"default_pg_nccl_timeout={nccl!r}")
+
+
+def test_groups_created_inside_group_timeout_get_its_timeout(gloo_world):
+    import torch.distributed.distributed_c10d as c10d
+
+    group_timeout = wrapper_function(GROUP_TIMEOUT)
+    saved = c10d.default_pg_timeout, c10d.default_pg_nccl_timeout
+    with blame(GROUP_TIMEOUT):
+        with group_timeout(timedelta(seconds=77)):
+            inside = dist.new_group(ranks=[0], backend="gloo")  # as DeviceMesh creates them: no timeout argument
+        outside = dist.new_group(ranks=[0], backend="gloo")
+    assert (c10d.default_pg_timeout, c10d.default_pg_nccl_timeout) == saved, "the c10d defaults were not restored"
+    assert _timeout_of(inside) == timedelta(seconds=77), broken(
+        GROUP_TIMEOUT, f"a group created inside got timeout {_timeout_of(inside)}: new_group no longer reads "
+                       f"c10d.default_pg_timeout")
+    assert _timeout_of(outside) == saved[0]
+
+
+def test_device_mesh_answers_to_lightning_dimension_names(gloo_world):
+    from lightning_hybrid.distributed.parallel_dims import ParallelDims, build_mesh
+
+    flatten = getattr(private("torch.distributed.device_mesh", "DeviceMesh", LIGHTNING_NAMES), "_flatten", None)
+    assert flatten is not None, broken(LIGHTNING_NAMES, "DeviceMesh._flatten is gone")
+    takes(flatten, ["mesh_dim_name"], LIGHTNING_NAMES)
+    wrapper_function(LIGHTNING_NAMES)
+    with blame(LIGHTNING_NAMES):
+        mesh = build_mesh(ParallelDims.resolve(1, 1, None, 1), "cpu", timeout=timedelta(seconds=60))
+        aliases = {"data_parallel": mesh["data_parallel"], "tensor_parallel": mesh["tensor_parallel"]}
+    assert mesh.mesh_dim_names == ("pp", "dp", "tp")
+    for alias, dim in (("data_parallel", "dp"), ("tensor_parallel", "tp")):
+        assert aliases[alias].mesh_dim_names == (alias,), broken(LIGHTNING_NAMES,
+                                                                 f"mesh[{alias!r}] is {aliases[alias]}")
+        assert aliases[alias].size() == mesh[dim].size() and aliases[alias].get_group() is not None
+
+
+def test_local_region_reads_the_shard_shape_and_offset(gloo_world):
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    compute = private("torch.distributed.tensor._utils", "compute_local_shape_and_global_offset", LOCAL_REGION)
+    takes(compute, ["global_shape", "mesh", "placements"], LOCAL_REGION)
+    local_region = wrapper_function(LOCAL_REGION)
+    mesh = init_device_mesh("cpu", (1,), mesh_dim_names=("dp",))
+    full = torch.arange(12.0).reshape(4, 3)
+    with blame(LOCAL_REGION):
+        shape, offset = compute(full.shape, mesh, [Shard(0)])
+        local, global_shape, global_offset = local_region(distribute_tensor(full, mesh, [Shard(0)]))
+    assert (tuple(shape), tuple(offset)) == ((4, 3), (0, 0)), broken(
+        LOCAL_REGION, f"compute_local_shape_and_global_offset returned {shape}, {offset} (not local shape, offset)")
+    assert torch.equal(local, full) and global_shape == (4, 3) and global_offset == (0, 0)
