@@ -1,6 +1,6 @@
 """lightning-hybrid: tensor x pipeline x data parallel training for PyTorch Lightning."""
 
-__version__ = "0.1.0"
+from lightning_hybrid.version import __version__
 
 from lightning_hybrid.callbacks.fault_tolerant import FaultTolerantCheckpoint
 from lightning_hybrid.strategy import HybridParallelStrategy

@@ -36,10 +36,6 @@ from lightning_hybrid.models.spec import ParallelSpec
 
 __all__ = ["HybridParallelStrategy", "PP_SCHEDULES"]
 
-# Collective sizes of the preflight run by `preflight=True`: small on CPU (gloo), up to 64 MiB on GPUs.
-PREFLIGHT_MAX_BYTES = {"cpu": 4 << 20, "cuda": 64 << 20}
-
-
 class HybridParallelStrategy(ModelParallelStrategy):
     """Tensor, pipeline and data parallelism combined on PyTorch's native stack.
 
@@ -172,9 +168,9 @@ class HybridParallelStrategy(ModelParallelStrategy):
         self.checkpoint_group = new_gloo_group(self._timeout)
         self.background_checkpoint_group = new_gloo_group(self._timeout)
         if self.preflight:
-            from lightning_hybrid.preflight.links import run_preflight_or_raise
+            from lightning_hybrid.preflight.links import PREFLIGHT_MAX_BYTES, run_preflight_or_raise
 
-            run_preflight_or_raise(self.device_mesh, PREFLIGHT_MAX_BYTES.get(self.root_device.type, 64 << 20))
+            run_preflight_or_raise(self.device_mesh, PREFLIGHT_MAX_BYTES[self.root_device.type])
         assert self.lightning_module is not None
         self.lightning_module._device_mesh = self._device_mesh
 

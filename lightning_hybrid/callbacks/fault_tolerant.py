@@ -15,11 +15,12 @@ import torch
 import lightning.pytorch as pl
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 
+from lightning_hybrid.checkpoint.dcp import SAVE_ERRORS, describe_save_error
 from lightning_hybrid.checkpoint.verify import verify_on_all_ranks
 from lightning_hybrid.checkpoint.manifest import (CheckpointError, committed_checkpoints, fsync_dir, purge_old,
                                                   set_aside_newer, step_dirname, update_latest)
 
-__all__ = ["FaultTolerantCheckpoint", "Preempted", "EXIT_CODE_PREEMPTED", "suggest_interval"]
+__all__ = ["FaultTolerantCheckpoint", "Preempted", "EXIT_CODE_PREEMPTED", "CheckpointSavesFailed", "suggest_interval"]
 
 # EX_TEMPFAIL: "try again later". SLURM requeue scripts and torchrun restarts can key on it.
 EXIT_CODE_PREEMPTED = 75
@@ -28,12 +29,18 @@ EXIT_CODE_PREEMPTED = 75
 class Preempted(SystemExit):
     """Raised on every rank after the checkpoint a preemption signal asked for is committed."""
 
-    def __init__(self, step: int) -> None:
+    def __init__(self, step: int, saved: bool = True) -> None:
         super().__init__(EXIT_CODE_PREEMPTED)
         self.step = step
+        self.saved = saved
 
     def __str__(self) -> str:
-        return f"preempted: checkpoint of step {self.step} saved, exiting with code {EXIT_CODE_PREEMPTED}"
+        what = "saved" if self.saved else "could NOT be saved (see the warning above); the last committed one stays"
+        return f"preempted: checkpoint of step {self.step} {what}, exiting with code {EXIT_CODE_PREEMPTED}"
+
+
+class CheckpointSavesFailed(RuntimeError):
+    """Raised on every rank after ``max_consecutive_failures`` saves in a row failed; training stops."""
 
 
 def suggest_interval(save_seconds: float, mtbf_hours: float) -> float:
@@ -55,7 +62,9 @@ class FaultTolerantCheckpoint(pl.Callback):
         dirpath: folder of the checkpoints (shared by all nodes).
         every_n_steps: save every N optimizer steps.
         every_n_minutes: save when this much wall time passed since the last save (decided by rank 0).
-        keep_last: committed checkpoints to keep; older ones are deleted (never the one loaded or written).
+        keep_last: committed checkpoints to keep; older ones are deleted (never the one written, nor the one
+            resumed from until a newer one is committed). Before each save the oldest are deleted down to
+            ``keep_last - 1`` (at least one stays), so the disk needs room for ``max(keep_last, 2)`` checkpoints.
         async_save: block only while the state is copied to host memory and write in the background; the
             next save (or the end of training) waits for the previous one.
         auto_resume: on ``fit`` without ``ckpt_path``, resume from the newest valid checkpoint in ``dirpath``.
@@ -99,7 +108,8 @@ class FaultTolerantCheckpoint(pl.Callback):
         self.mtbf_hours = mtbf_hours
         self.verify_checksums = verify_checksums
         self.resumed_from: Optional[Path] = None
-        self.last_saved_step: Optional[int] = None
+        self.last_saved_step: Optional[int] = None  # the step of the newest save started (and not failed)
+        self._last_committed_step: Optional[int] = None
         self.blocking_seconds: list[float] = []  # time training was blocked by each save
         self.save_seconds: list[float] = []      # start to commit of each save
         self._pending: Optional[Any] = None
@@ -223,54 +233,65 @@ class FaultTolerantCheckpoint(pl.Callback):
         if self._pending is not None and not busy:
             self._commit(trainer)
         if signal_flag:
-            self._save(trainer, step, async_save=False)
-            raise Preempted(step)
+            raise Preempted(step, saved=self._save(trainer, step, async_save=False))
         steps_due = self.every_n_steps is not None and step % self.every_n_steps == 0
         if (steps_due or time_flag) and step != self.last_saved_step:
             self._save(trainer, step, async_save=self.async_save)
 
-    def _save(self, trainer: "pl.Trainer", step: int, async_save: bool) -> None:
+    def _save(self, trainer: "pl.Trainer", step: int, async_save: bool) -> bool:
+        """Start (and unless ``async_save`` commit) a save of ``step``; False when it failed (logged, cleaned up)."""
         if self._pending is not None:
             self._commit(trainer)  # the next save waits for the previous one
         final = self.dirpath / step_dirname(step)
         if final.is_dir():
-            return  # this step is saved already (for example the one just resumed from)
+            return True  # this step is saved already (for example the one just resumed from)
         tmp = self.dirpath / (step_dirname(step) + ".tmp")
+        self._make_room(trainer)
         start = time.perf_counter()
         try:
             checkpoint = trainer._checkpoint_connector.dump_checkpoint(weights_only=False)
             self._pending = trainer.strategy.begin_save(checkpoint, tmp, async_save=async_save)
             self._pending_step = step
-        except Exception as err:
-            self._failed(trainer, tmp, err)
-            return
+        except SAVE_ERRORS as err:
+            self._failed(trainer, tmp, step, err)
+            return False
         self.blocking_seconds.append(time.perf_counter() - start)
         self._last_save_time = time.monotonic()
         self.last_saved_step = step
-        if not async_save:
-            self._commit(trainer)
+        return self._commit(trainer) if not async_save else True
 
-    def _commit(self, trainer: "pl.Trainer") -> None:
+    def _make_room(self, trainer: "pl.Trainer") -> None:
+        """Before a save, delete the oldest committed checkpoints down to ``keep_last - 1`` (never the last one)."""
+        if trainer.is_global_zero:
+            for removed in purge_old(self.dirpath, max(1, self.keep_last - 1), protect=self._protected()):
+                rank_zero_info(f"removed old checkpoint {removed} to make room for the next save")
+
+    def _protected(self) -> list[Path]:
+        # The checkpoint resumed from stays until a newer one is committed: until then it is the only known-good one.
+        return [self.resumed_from] if self.resumed_from is not None and self._last_committed_step is None else []
+
+    def _commit(self, trainer: "pl.Trainer") -> bool:
+        """Wait for the pending save on every rank and commit it; False when it failed (logged, cleaned up)."""
         pending, step = self._pending, self._pending_step
         self._pending = self._pending_step = None
         if pending is None:
-            return
+            return False
         tmp = pending.folder
         try:
             info = pending.finish()
-        except Exception as err:
-            self._failed(trainer, tmp, err)
-            return
+        except SAVE_ERRORS as err:
+            self._failed(trainer, tmp, step, err)
+            return False
         final = self.dirpath / step_dirname(step)
         if trainer.is_global_zero:
             os.replace(tmp, final)
             fsync_dir(self.dirpath)
             update_latest(self.dirpath, final)
-            protect = [final] + ([self.resumed_from] if self.resumed_from else [])
-            for removed in purge_old(self.dirpath, self.keep_last, protect=protect):
+            for removed in purge_old(self.dirpath, self.keep_last, protect=[final, *self._protected()]):
                 rank_zero_info(f"removed old checkpoint {removed}")
         trainer.strategy.barrier("checkpoint_commit")
         self._failures = 0
+        self._last_committed_step = step
         elapsed = time.perf_counter() - pending.started
         self.save_seconds.append(elapsed)
         message = f"saved checkpoint {final} (step {step}, {elapsed:.2f} s, blocked {self.blocking_seconds[-1]:.2f} s)"
@@ -279,16 +300,21 @@ class FaultTolerantCheckpoint(pl.Callback):
             message += f"; Young/Daly interval for MTBF {self.mtbf_hours} h: {interval / 60:.1f} min"
         rank_zero_info(message)
         del info
+        return True
 
-    def _failed(self, trainer: "pl.Trainer", tmp: Path, err: BaseException) -> None:
+    def _failed(self, trainer: "pl.Trainer", tmp: Path, step: Optional[int], err: BaseException) -> None:
+        """Log a failed save once with its cause, remove its folder, and stop after too many in a row."""
         self._failures += 1
-        rank_zero_warn(f"checkpoint save failed ({self._failures} in a row): {type(err).__name__}: {err}; "
-                       f"training continues, the next interval tries again")
+        self.last_saved_step = self._last_committed_step  # nothing of this step was committed
         if trainer.is_global_zero:
             shutil.rmtree(tmp, ignore_errors=True)
+        cause = describe_save_error(err)
         if self._failures >= self.max_consecutive_failures:
-            raise RuntimeError(f"{self._failures} consecutive checkpoint saves failed (last: {type(err).__name__}: "
-                               f"{err}); fix the storage at {self.dirpath} and resume from the last checkpoint")
+            raise CheckpointSavesFailed(
+                f"{self._failures} checkpoint saves in a row failed (last, step {step}: {cause}); training stopped. "
+                f"Free space or fix the storage at {self.dirpath}, then re-run to resume from the last checkpoint")
+        rank_zero_warn(f"checkpoint save of step {step} failed ({self._failures} in a row): {cause}; removed {tmp.name}, "
+                       f"training continues and the next interval tries again")
 
     # ------------------------------------------------------------------ end and failures
 
@@ -298,7 +324,8 @@ class FaultTolerantCheckpoint(pl.Callback):
 
     def on_exception(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", exception: BaseException) -> None:
         self._restore_signals()
-        if isinstance(exception, Preempted) or not self.save_on_exception or not self._training_started:
+        if isinstance(exception, (Preempted, CheckpointSavesFailed)) or not self.save_on_exception \
+                or not self._training_started:
             return
         if trainer.global_step == self.last_saved_step:
             return
@@ -309,9 +336,9 @@ class FaultTolerantCheckpoint(pl.Callback):
             if dist.is_initialized():
                 dist.monitored_barrier(group=trainer.strategy.checkpoint_group, timeout=timedelta(seconds=20))
             self._commit(trainer)
-            self._save(trainer, trainer.global_step, async_save=False)
-            rank_zero_warn(f"saved a checkpoint at step {trainer.global_step} after {type(exception).__name__}")
-        except Exception as err:  # the original exception is what matters; report and re-raise it
+            if self._save(trainer, trainer.global_step, async_save=False):
+                rank_zero_warn(f"saved a checkpoint at step {trainer.global_step} after {type(exception).__name__}")
+        except SAVE_ERRORS as err:  # noqa: BLE001 - the original exception is what matters; report, it re-raises
             rank_zero_warn(f"could not save a checkpoint after {type(exception).__name__}: {err}")
 
     def state_dict(self) -> dict[str, Any]:

@@ -8,6 +8,10 @@ Layout of a checkpoint folder:
   process loads it (DCP reshards on load).
 - ``trainer_state.pt``: Lightning's loops, LR schedulers, callbacks and hyper-parameters (rank 0).
 - ``rng/rank_R.pt``: each rank's Python, NumPy, torch CPU and CUDA random states.
+
+Both ``.pt`` files hold only plain containers, numbers, strings and tensors, and are read with
+``torch.load(weights_only=True)``: a checkpoint folder is shared storage that many can write, and a
+pickle that names any other type (code to run) is refused with one line, never executed.
 - ``meta.json``: the manifest (see :mod:`lightning_hybrid.checkpoint.manifest`).
 """
 
@@ -15,20 +19,46 @@ from __future__ import annotations
 
 import io
 import random
+import re
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Optional, Sequence
 
 import numpy as np
 import torch
 from torch import nn
 
-from lightning_hybrid.checkpoint.manifest import file_record
+from lightning_hybrid.checkpoint.manifest import CheckpointError, file_record
 
-__all__ = ["model_optimizer_state", "write_shards", "load_shards", "rng_state", "restore_rng_state",
+__all__ = ["SAVE_ERRORS", "describe_save_error", "model_optimizer_state", "write_shards", "load_shards", "rng_state", "restore_rng_state",
            "own_files", "TRAINER_STATE", "PendingWrite"]
 
 TRAINER_STATE = "trainer_state.pt"
+
+
+def _save_errors() -> tuple[type[BaseException], ...]:
+    # DCP's CheckpointException (what a failed write raises, also from the async writer's future) derives from
+    # BaseException, not Exception: an `except Exception` around a save lets a full disk end training.
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    return (Exception, CheckpointException)
+
+
+# What a failed checkpoint write can raise; catch these (never a bare BaseException: Ctrl-C must still stop a run).
+SAVE_ERRORS = _save_errors()
+
+
+def describe_save_error(err: BaseException) -> str:
+    """One line: the cause of a failed save (for DCP's CheckpointException, the first failing rank's own error)."""
+    failures = getattr(err, "failures", None)
+    if isinstance(failures, dict) and failures:
+        rank, wrapped = sorted(failures.items())[0]
+        cause = wrapped[0] if isinstance(wrapped, tuple) else wrapped
+        while cause.__cause__ is not None or (cause.__context__ is not None and not cause.__suppress_context__):
+            cause = cause.__cause__ or cause.__context__
+        return f"rank {rank}: {type(cause).__name__}: {str(cause).strip().splitlines()[0] if str(cause).strip() else ''}"
+    text = str(err).strip().splitlines()
+    return f"{type(err).__name__}: {text[0] if text else ''}"
 RNG_DIR = "rng"
 
 
@@ -45,18 +75,52 @@ def model_optimizer_state(module: nn.Module, optimizers: list[torch.optim.Optimi
 
 
 def rng_state() -> dict[str, Any]:
-    state = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
+    """This process's random states as plain types and tensors (loadable with ``weights_only=True``)."""
+    kind, keys, pos, has_gauss, cached = np.random.get_state()
+    state = {"python": random.getstate(), "torch": torch.get_rng_state(),
+             "numpy": (str(kind), torch.from_numpy(keys.astype(np.int64)), int(pos), int(has_gauss), float(cached))}
     if torch.cuda.is_available() and torch.cuda.is_initialized():
         state["cuda"] = torch.cuda.get_rng_state_all()
     return state
 
 
 def restore_rng_state(state: dict[str, Any]) -> None:
+    """Restore what :func:`rng_state` captured."""
     random.setstate(state["python"])
-    np.random.set_state(state["numpy"])
+    kind, keys, pos, has_gauss, cached = state["numpy"]
+    keys = keys.numpy() if isinstance(keys, torch.Tensor) else keys  # an array in checkpoints before 0.2
+    np.random.set_state((kind, keys.astype(np.uint32), pos, has_gauss, cached))
     torch.set_rng_state(state["torch"])
     if "cuda" in state and torch.cuda.is_available():
         torch.cuda.set_rng_state_all(state["cuda"])
+
+
+def _numpy_array_globals() -> list[Any]:
+    """What unpickling a NumPy array names: checkpoints written before 0.2 kept NumPy's RNG keys as an array."""
+    try:
+        from numpy._core.multiarray import _reconstruct
+    except ImportError:  # NumPy 1.x
+        from numpy.core.multiarray import _reconstruct
+    return [_reconstruct, np.ndarray, np.dtype, type(np.dtype(np.uint32))]
+
+
+def load_plain(path: Path, allowed: Sequence[Any] = ()) -> Any:
+    """``torch.load(path, weights_only=True)``: containers, numbers, strings and tensors only, plus ``allowed``.
+
+    Raises:
+        CheckpointError: the file names a type outside that allow-list (a pickle that could run code), in one
+            line naming the file and the type; nothing in it is executed.
+    """
+    import pickle
+
+    try:
+        with torch.serialization.safe_globals(list(allowed)):
+            return torch.load(path, map_location="cpu", weights_only=True)
+    except pickle.UnpicklingError as err:
+        found = re.search(r"GLOBAL ([\w.]+)", str(err))
+        what = f"it names {found.group(1)}" if found else "it holds more than tensors and plain values"
+        raise CheckpointError(f"refusing to load {path}: {what}, which a checkpoint never needs (a pickle that could "
+                              f"run code); nothing in it was executed. Was the file replaced by someone else?") from None
 
 
 def own_files(folder: Path, group_rank: int, global_rank: int) -> list[str]:
@@ -141,14 +205,19 @@ def load_shards(folder: Path, module: nn.Module, optimizers: list[torch.optim.Op
 
 
 def save_trainer_state(folder: Path, checkpoint: dict[str, Any]) -> None:
+    """Write Lightning's checkpoint dict (without model and optimizer states) to ``trainer_state.pt``."""
     buffer = io.BytesIO()
     torch.save(checkpoint, buffer)
     (folder / TRAINER_STATE).write_bytes(buffer.getvalue())
 
 
 def load_trainer_state(folder: Path) -> dict[str, Any]:
-    # Lightning's own state (loops, callbacks, hyper-parameters) is a pickle, as in Lightning's checkpoints.
-    return torch.load(folder / TRAINER_STATE, map_location="cpu", weights_only=False)
+    """Lightning's own state (loops, callbacks, hyper-parameters), read without running any pickled code.
+
+    Raises:
+        CheckpointError: the file holds anything but containers, numbers, strings and tensors.
+    """
+    return load_plain(folder / TRAINER_STATE)
 
 
 def load_rng(folder: Path, global_rank: int, log: Callable[[str], None]) -> bool:
@@ -157,5 +226,5 @@ def load_rng(folder: Path, global_rank: int, log: Callable[[str], None]) -> bool
         log(f"checkpoint {folder} has no random state for rank {global_rank} (saved on another mesh); "
             f"continuing with the current random state")
         return False
-    restore_rng_state(torch.load(path, weights_only=False))
+    restore_rng_state(load_plain(path, allowed=_numpy_array_globals()))
     return True

@@ -17,7 +17,7 @@ from typing import Any, Optional
 
 import torch
 
-from lightning_hybrid.checkpoint.dcp import (TRAINER_STATE, PendingWrite, load_rng, load_shards,
+from lightning_hybrid.checkpoint.dcp import (SAVE_ERRORS, TRAINER_STATE, describe_save_error, PendingWrite, load_rng, load_shards,
                                              load_trainer_state, model_optimizer_state, save_rng, save_trainer_state,
                                              write_shards)
 from lightning_hybrid.checkpoint.manifest import MANIFEST, CheckpointError, file_record, write_manifest
@@ -57,9 +57,9 @@ class CheckpointWriteError(RuntimeError):
 def _versions() -> dict[str, str]:
     import lightning
 
-    import lightning_hybrid
+    from lightning_hybrid.version import __version__
 
-    return {"lightning_hybrid": lightning_hybrid.__version__, "torch": torch.__version__,
+    return {"lightning_hybrid": __version__, "torch": torch.__version__,
             "lightning": lightning.__version__, "python": platform.python_version()}
 
 
@@ -82,8 +82,9 @@ class ShardedSave:
     """A checkpoint being written; call :meth:`finish` on every rank (collective) once :meth:`ready` everywhere."""
 
     def __init__(self, ctx: CheckpointContext, folder: Path, pending: PendingWrite,
-                 info: dict[str, Any], started: float) -> None:
+                 info: dict[str, Any], started: float, local_error: str = "") -> None:
         self.ctx = ctx
+        self.local_error = local_error  # a failure of this rank's own files (rank 0's trainer state), reported in finish
         self.folder = folder
         self.pending = pending
         self.info = info
@@ -102,8 +103,10 @@ class ShardedSave:
 
         try:
             records: dict[str, Any] = {"files": self.pending.result()}
-        except Exception as err:  # storage errors of the background writer land here
-            records = {"error": f"{type(err).__name__}: {err}"}
+        except SAVE_ERRORS as err:  # storage errors of the background writer land here (DCP's are BaseExceptions)
+            records = {"error": describe_save_error(err)}
+        if self.local_error:
+            records = {"error": self.local_error}
         group = self.ctx.group
         gathered: list = [None] * dist.get_world_size(group)
         dist.all_gather_object(gathered, records, group=group)
@@ -146,9 +149,13 @@ def begin_save(ctx: CheckpointContext, checkpoint: dict[str, Any], folder: Path,
     # An asynchronous write runs its collectives in a background thread, on a group no other thread uses.
     writer_group = ctx.background_group if async_save else group
     pending = write_shards(folder, state, writer_group, dist.get_rank(writer_group), ctx.global_rank, async_save)
+    local_error = ""
     if ctx.global_rank == 0:
-        save_trainer_state(folder, checkpoint)
-    return ShardedSave(ctx, folder, pending, _info(ctx, checkpoint), started)
+        try:  # a failure here is reported to every rank in finish(), never raised on rank 0 alone
+            save_trainer_state(folder, checkpoint)
+        except OSError as err:
+            local_error = f"{type(err).__name__}: {err}"
+    return ShardedSave(ctx, folder, pending, _info(ctx, checkpoint), started, local_error)
 
 
 def check_model_config(saved: Optional[dict[str, Any]], current: Optional[dict[str, Any]], folder: Path) -> None:
