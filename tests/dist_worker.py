@@ -93,7 +93,8 @@ def run(config: dict, out: Path) -> None:
     final = full_weights(module.model)
     record = {"losses": losses.losses, "val_loss": float(trainer.callback_metrics["val_loss"])
               if "val_loss" in trainer.callback_metrics else None, "initial": weights.initial, "final": final,
-              "optimizer": optimizer_state(module), "switches": applied_switches(module.model, getattr(trainer.strategy, "pipeline", None)),
+              "optimizer": optimizer_state(module),
+              "switches": applied_switches(module.model, getattr(trainer.strategy, "pipeline", None)),
               "bubble": getattr(trainer.strategy, "bubble_report", None)}
     if evaluate:
         record.update(evaluate_after_fit(trainer, module, val))

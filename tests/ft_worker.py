@@ -114,7 +114,8 @@ def main() -> None:
     world = int(env("WORLD_SIZE"))
     dp = world // (tp * pp)
     L.seed_everything(SEED)
-    checkpoint = FaultTolerantCheckpoint(ckpt, every_n_steps=int(env("EVERY", "2")), async_save=env("ASYNC", "1") == "1",
+    checkpoint = FaultTolerantCheckpoint(ckpt, every_n_steps=int(env("EVERY", "2")),
+                                         async_save=env("ASYNC", "1") == "1",
                                          keep_last=int(env("KEEP", "3")))
     kwargs = {**make_trainer_kwargs()["trainer"], "max_steps": int(env("STEPS", "8")), "val_check_interval": None,
               "limit_val_batches": 0}

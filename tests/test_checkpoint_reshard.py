@@ -27,7 +27,8 @@ def runs(tmp_path_factory):
         {"name": "uninterrupted_tp2_pp2", "tp": 2, "pp": 2},
     ]
     records = run_workers(4, configs, out)
-    single = [{"name": "loaded_single", "load_from": str(out / "ckpt_saved_tp2_pp2"), "trainer": {"max_steps": SAVE_AT}}]
+    single = [{"name": "loaded_single", "load_from": str(out / "ckpt_saved_tp2_pp2"),
+               "trainer": {"max_steps": SAVE_AT}}]
     records.update(run_workers(1, single, out))
     return records
 

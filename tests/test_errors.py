@@ -9,20 +9,22 @@ from helpers.launch import torchrun
 
 from lightning_hybrid import HybridParallelStrategy
 from lightning_hybrid.distributed.parallel_dims import ParallelDims
-from lightning_hybrid.models import CausalLM, Qwen2Config
+from lightning_hybrid.models import CausalLM
 
 
 def test_sizes_that_do_not_multiply_to_the_world_size_are_refused():
     with pytest.raises(ValueError, match=r"tp\*pp\*dp=2\*1\*3=6 does not equal the world size 4"):
         ParallelDims.resolve(tp=2, pp=1, dp=3, world_size=4)
-    with pytest.raises(ValueError, match=r"world size 6 is not divisible by tp\*pp=4\*1=4; tp\*pp must be one of 1, 2, 3 or 6"):
+    with pytest.raises(ValueError,
+                       match=r"world size 6 is not divisible by tp\*pp=4\*1=4; tp\*pp must be one of 1, 2, 3 or 6"):
         ParallelDims.resolve(tp=4, pp=1, dp=None, world_size=6)
     assert ParallelDims.resolve(tp=8, pp=2, dp=None, world_size=128).dp == 8
 
 
 def test_tp_that_does_not_divide_the_heads_is_refused_with_the_divisors():
     dims = ParallelDims.resolve(tp=3, pp=1, dp=None, world_size=3)
-    with pytest.raises(ValueError, match=r"tp=3 does not divide num_attention_heads=64; use tp in 1, 2, 4, 8, 16, 32 or 64"):
+    with pytest.raises(ValueError,
+                       match=r"tp=3 does not divide num_attention_heads=64; use tp in 1, 2, 4, 8, 16, 32 or 64"):
         dims.check_model({"num_attention_heads": 64, "num_key_value_heads": 8}, 80)
     dims = ParallelDims.resolve(tp=16, pp=1, dp=None, world_size=16)
     with pytest.raises(ValueError, match=r"tp=16 does not divide num_key_value_heads=8; use tp in 1, 2, 4 or 8"):
@@ -31,14 +33,16 @@ def test_tp_that_does_not_divide_the_heads_is_refused_with_the_divisors():
 
 def test_more_pipeline_stages_than_blocks_are_refused():
     dims = ParallelDims.resolve(tp=1, pp=4, dp=None, world_size=4)
-    with pytest.raises(ValueError, match=r"pp=4 x virtual_stages=2 = 8 pipeline stages but the model has only 4 blocks"):
+    with pytest.raises(ValueError,
+                       match=r"pp=4 x virtual_stages=2 = 8 pipeline stages but the model has only 4 blocks"):
         dims.check_model({}, 4, stages_per_rank=2)
 
 
 @pytest.mark.parametrize("kwargs, message", [
     ({"data_parallel": "zero2"}, r"data_parallel='zero2' is not supported; use one of fsdp, replicate"),
     ({"pp_schedule": "pipedream"}, r"pp_schedule='pipedream' is not supported; use one of gpipe, 1f1b"),
-    ({"activation_checkpointing": "some"}, r"activation_checkpointing='some' is not supported; use one of none, selective, full"),
+    ({"activation_checkpointing": "some"},
+     r"activation_checkpointing='some' is not supported; use one of none, selective, full"),
     ({"tp": 0}, r"tp=0 must be a positive integer"),
     ({"dp": -1}, r"dp=-1 must be a positive integer or None"),
     ({"virtual_stages": 0}, r"virtual_stages=0 must be a positive integer"),
@@ -82,7 +86,8 @@ def test_indivisible_kv_heads_fail_on_every_rank_without_hanging(tmp_path):
     result = torchrun(2, [str(script)], timeout=90, check=False)
     assert result.returncode != 0
     for rank in (0, 1):
-        assert f"rank {rank}: tp=2 does not divide num_key_value_heads=1; use tp in 1" in result.stdout, result.stdout[-3000:]
+        message = f"rank {rank}: tp=2 does not divide num_key_value_heads=1; use tp in 1"
+        assert message in result.stdout, result.stdout[-3000:]
 
 
 def _validated(module, **kwargs):
@@ -124,7 +129,8 @@ def test_recompute_and_compile_switches_are_accepted_for_a_declared_model_and_re
 
     strategy = _validated(CausalLM("tiny"), activation_checkpointing="selective", selective_ac="2", compile=True)
     assert strategy.options.selective_ac == 2 and strategy.options.compile
-    with pytest.raises(ValueError, match=r"activation_checkpointing='full'/compile=False need a LightningModule that declares"):
+    with pytest.raises(ValueError,
+                       match=r"activation_checkpointing='full'/compile=False need a LightningModule that declares"):
         _validated(UserTPModule(), activation_checkpointing="full")
 
 
@@ -136,5 +142,6 @@ def test_compile_with_tp_and_sequence_parallel_or_recompute_is_refused_before_an
     strategy._lightning_module = CausalLM("tiny")
     strategy._parallel_devices = [torch.device("cpu")] * 2
     strategy.num_nodes = 1
-    with pytest.raises(ValueError, match=r"compile=True with tp=2 and sequence_parallel=.* trains with wrong gradients"):
+    with pytest.raises(ValueError,
+                       match=r"compile=True with tp=2 and sequence_parallel=.* trains with wrong gradients"):
         strategy._validate()

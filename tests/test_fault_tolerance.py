@@ -55,7 +55,7 @@ def test_each_async_checkpoint_holds_the_weights_of_its_own_step(baseline):
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint import FileSystemReader
 
-    previous = None
+    previous = previous_state = None
     for step in (4, 6, 8):
         folder = baseline / "ckpt" / f"step-{step:06d}"
         expected = torch.load(baseline / f"weights_step{step}.pt", weights_only=False)
@@ -172,7 +172,10 @@ def test_resume_uses_the_older_checkpoint_when_the_newest_is_damaged(baseline, t
     ckpt = tmp_path / "ckpt"
     shutil.copytree(baseline / "ckpt", ckpt)
     for step in (8, 6):  # keep 4 and 2; damage 6, remove 8: resume must use 4
-        shutil.rmtree(ckpt / f"step-{step:06d}") if step == 8 else (ckpt / f"step-{step:06d}" / "__0_0.distcp").write_bytes(b"x")
+        if step == 8:
+            shutil.rmtree(ckpt / f"step-{step:06d}")
+        else:
+            (ckpt / f"step-{step:06d}" / "__0_0.distcp").write_bytes(b"x")
     result = _run(tmp_path, ckpt)
     assert "skipping damaged checkpoint" in result.stderr + result.stdout
     assert _final(tmp_path)["resumed_from"].endswith("step-000004")
@@ -204,7 +207,8 @@ def test_damaged_checkpoints_newer_than_the_chosen_one_are_set_aside_and_kept(da
 def test_a_checkpoint_of_another_model_is_refused_naming_both_configs(tmp_path):
     saved = {"name": "tiny", "hidden_size": 64, "num_hidden_layers": 4}
     current = {"name": "tiny-wide", "hidden_size": 128, "num_hidden_layers": 4}
-    with pytest.raises(ValueError, match=r"is of another model \(tiny vs tiny-wide\): hidden_size: checkpoint 64 vs model 128"):
+    with pytest.raises(ValueError,
+                       match=r"is of another model \(tiny vs tiny-wide\): hidden_size: checkpoint 64 vs model 128"):
         check_model_config(saved, current, tmp_path)
 
 
@@ -213,9 +217,11 @@ def test_consecutive_save_failures_stop_training_with_a_clear_error(tmp_path):
         is_global_zero = True
 
     callback = FaultTolerantCheckpoint(tmp_path, every_n_steps=1, max_consecutive_failures=2)
-    callback._failed(FakeTrainer(), tmp_path / "step-000001.tmp", OSError("disk full"))
-    with pytest.raises(RuntimeError, match=r"2 consecutive checkpoint saves failed \(last: OSError: disk full\)"):
-        callback._failed(FakeTrainer(), tmp_path / "step-000002.tmp", OSError("disk full"))
+    (tmp_path / "step-000001.tmp").mkdir()
+    callback._failed(FakeTrainer(), tmp_path / "step-000001.tmp", 1, OSError("disk full"))
+    assert not (tmp_path / "step-000001.tmp").exists()
+    with pytest.raises(RuntimeError, match=r"2 checkpoint saves in a row failed \(last, step 2: OSError: disk full\)"):
+        callback._failed(FakeTrainer(), tmp_path / "step-000002.tmp", 2, OSError("disk full"))
 
 
 def test_young_daly_interval_is_logged_from_the_measured_save_time():

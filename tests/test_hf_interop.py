@@ -226,7 +226,8 @@ def test_load_errors_are_one_line_and_name_the_cause(folders, tmp_path):
     extra = _rewrite(src, tmp_path / "extra", lambda t: {**t, "model.layers.4.mlp.up_proj.weight": torch.zeros(2)})
     assert "unexpected tensor model.layers.4.mlp.up_proj.weight in" in _load_error(extra, config)
 
-    shapes = _rewrite(src, tmp_path / "shape", lambda t: {**t, "model.layers.1.self_attn.k_proj.weight": torch.zeros(64, 64)})
+    shapes = _rewrite(src, tmp_path / "shape",
+                      lambda t: {**t, "model.layers.1.self_attn.k_proj.weight": torch.zeros(64, 64)})
     message = _load_error(shapes, config)
     assert "tensor model.layers.1.self_attn.k_proj.weight" in message
     assert "has shape [64, 64] but the model expects [32, 64]" in message
@@ -305,7 +306,8 @@ def test_export_errors_are_one_line(folders, tmp_path, capsys):
     ckpt = tmp_path / "ckpt"
     _write_checkpoint(model, ckpt, folders["single"])
     meta = json.loads((ckpt / "meta.json").read_text())
-    (ckpt / "meta.json").write_text(json.dumps({**meta, "model_config": {**meta["model_config"], "num_hidden_layers": 5}}))
+    (ckpt / "meta.json").write_text(
+        json.dumps({**meta, "model_config": {**meta["model_config"], "num_hidden_layers": 5}}))
     with pytest.raises(ValueError, match=r"checkpoint .* has no tensor model\.layers\.4\.\S+; it is not a complete"):
         export_hf(ckpt, tmp_path / "out")
     (ckpt / "meta.json").write_text(json.dumps(meta))

@@ -41,7 +41,8 @@ class LocalCounts(L.Callback):
 
     def on_before_optimizer_step(self, trainer, pl_module, optimizer) -> None:
         # A pipeline's gradients are dropped right after the step, so they are counted before it.
-        self.record["grads"] = sum(local_tensor(p.grad).numel() for p in pl_module.model.parameters() if p.grad is not None)
+        self.record["grads"] = sum(local_tensor(p.grad).numel() for p in pl_module.model.parameters()
+                                   if p.grad is not None)
         self.record["grads_are_dtensors"] = all(isinstance(p.grad, DTensor) for p in pl_module.model.parameters())
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
@@ -78,8 +79,9 @@ def _worker(out: Path, tp: int, pp: int, dp: int) -> None:
     monitor = ThroughputMonitor(peak_tflops=1.0, straggler_every_n_steps=0)
     counts = LocalCounts(monitor)
     strategy = HybridParallelStrategy(tp=tp, pp=pp, dp=dp, data_parallel="fsdp")
-    trainer = L.Trainer(accelerator="cpu", devices=tp * pp * dp, strategy=strategy, max_steps=1, logger=False, enable_checkpointing=False, enable_progress_bar=False,
-                        enable_model_summary=False, num_sanity_val_steps=0, limit_val_batches=0, callbacks=[monitor, counts])
+    trainer = L.Trainer(accelerator="cpu", devices=tp * pp * dp, strategy=strategy, max_steps=1, logger=False,
+                        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+                        num_sanity_val_steps=0, limit_val_batches=0, callbacks=[monitor, counts])
     trainer.fit(CausalLM("tiny"), train_dataloaders=DataLoader(TensorDataset(ids, ids), batch_size=4))
     records: list = [None] * dist.get_world_size()
     dist.all_gather_object(records, counts.record)

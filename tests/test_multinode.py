@@ -38,7 +38,7 @@ def agent_command(node_rank: int, port: int, run_id: str) -> list[str]:
 
 
 def run_two_nodes(tmp_path: Path, timeout: float = 240) -> list[subprocess.CompletedProcess]:
-    """Start both agents at once and wait for both; a hang fails after ``timeout`` seconds and leaves nothing running."""
+    """Start both agents at once and wait for both; a hang fails after ``timeout`` s and leaves nothing running."""
     env = worker_env({"MESH_PROBE_DIR": str(tmp_path)})  # the tests folder on PYTHONPATH: mesh_probe.MeshProbe
     port, run_id = free_port(), f"multinode-{os.getpid()}"
     agents = [subprocess.Popen(agent_command(rank, port, run_id), cwd=tmp_path, env=env, stdout=subprocess.PIPE,

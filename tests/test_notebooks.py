@@ -23,7 +23,8 @@ def test_the_walkthrough_notebooks_exist_with_their_sources_and_committed_output
         assert (NOTEBOOKS / "src" / f"{name}.py").is_file(), f"notebooks/src/{name}.py is missing"
         nb = nbformat.read(NOTEBOOKS / f"{name}.ipynb", as_version=4)
         code = [c for c in nb.cells if c.cell_type == "code"]
-        assert code and all(c.get("execution_count") for c in code), f"{name}: not executed; run notebooks/regenerate.py"
+        assert code and all(c.get("execution_count") for c in code), (
+            f"{name}: not executed; run notebooks/regenerate.py")
         errors = [o for c in code for o in c.outputs if o.output_type == "error"]
         assert not errors, f"{name}: committed with an error output: {errors[0].get('ename')}"
         images = [o for c in code for o in c.outputs if "image/png" in o.get("data", {})]
@@ -42,7 +43,8 @@ def test_the_committed_notebooks_match_their_sources():
     for name in OWN:
         built = [c.source for c in build(NOTEBOOKS / "src" / f"{name}.py").cells]
         committed = [c.source for c in nbformat.read(NOTEBOOKS / f"{name}.ipynb", as_version=4).cells]
-        assert built == committed, f"{name}.ipynb is older than src/{name}.py; run python notebooks/regenerate.py {name[:2]}"
+        assert built == committed, (
+            f"{name}.ipynb is older than src/{name}.py; run python notebooks/regenerate.py {name[:2]}")
 
 
 @pytest.mark.notebook

@@ -2,14 +2,14 @@
 
 from __future__ import annotations
 
+import lightning as L
 import pytest
 import torch
 
-import lightning as L
 from lightning_hybrid import HybridParallelStrategy
-from lightning_hybrid.models import CausalLM, Qwen2, Qwen2Config
 from lightning_hybrid.distributed.pipeline.schedules import stage_ids_for_rank, theoretical_bubble, validate_schedule
 from lightning_hybrid.distributed.pipeline.split import build_stages, plan_stages
+from lightning_hybrid.models import CausalLM, Qwen2, Qwen2Config
 
 
 def _spec(name: str):
@@ -21,7 +21,8 @@ def test_72b_split_is_balanced_by_cost(pp, capsys):
     spec = _spec("qwen2.5-72b")
     plans = plan_stages(spec, 80, pp)
     mean = sum(p.cost for p in plans) / pp
-    print(f"qwen2.5-72b pp={pp}: " + ", ".join(f"stage {p.index}: {p.num_blocks} blocks cost {p.cost:.2f}" for p in plans))
+    print(f"qwen2.5-72b pp={pp}: "
+          + ", ".join(f"stage {p.index}: {p.num_blocks} blocks cost {p.cost:.2f}" for p in plans))
     assert sum(p.num_blocks for p in plans) == 80
     assert plans[0].has_embedding and plans[-1].has_head
     assert all(p.cost <= mean + spec.block_cost for p in plans)
@@ -96,7 +97,8 @@ def test_invalid_schedule_combinations_are_refused(args, message):
 
 
 def test_schedule_names_are_case_insensitive():
-    assert HybridParallelStrategy(pp=2, pp_schedule="Interleaved_1F1B", virtual_stages=2).options.pp_schedule == "interleaved_1f1b"
+    strategy = HybridParallelStrategy(pp=2, pp_schedule="Interleaved_1F1B", virtual_stages=2)
+    assert strategy.options.pp_schedule == "interleaved_1f1b"
 
 
 def test_default_microbatches_are_at_least_twice_pp():

@@ -58,7 +58,8 @@ def test_prepare_data_cli_packs_documents_with_eos_between_them_and_writes_the_i
     assert min(expected) >= 0 and max(expected) < index["vocab_size"]
 
 
-def test_packed_dataset_items_are_shifted_windows_and_the_data_module_splits_by_position(tokenizer_dir, corpus, tmp_path):
+def test_packed_dataset_items_are_shifted_windows_and_the_data_module_splits_by_position(tokenizer_dir, corpus,
+                                                                                         tmp_path):
     out = tmp_path / "data"
     prepare_data(str(tokenizer_dir), corpus, out, seq_len=3)
     tokens = torch.from_numpy(np.fromfile(out / "tokens.bin", dtype=np.uint32).astype(np.int64))
@@ -80,7 +81,8 @@ def test_packed_dataset_items_are_shifted_windows_and_the_data_module_splits_by_
 
 
 def test_the_tokenizers_backend_gives_the_same_tokens_as_transformers(tokenizer_dir):
-    a, b = load_tokenizer(str(tokenizer_dir), backend="transformers"), load_tokenizer(str(tokenizer_dir), backend="tokenizers")
+    a = load_tokenizer(str(tokenizer_dir), backend="transformers")
+    b = load_tokenizer(str(tokenizer_dir), backend="tokenizers")
     assert a.encode_batch(SENTENCES) == b.encode_batch(SENTENCES)
     assert (a.eos_token_id, a.eos_token) == (b.eos_token_id, b.eos_token)
 

@@ -20,7 +20,6 @@ from typing import Any, Optional
 
 import pytest
 import yaml
-
 from helpers.launch import torchrun
 
 REPO = Path(__file__).resolve().parents[1]
@@ -126,8 +125,8 @@ def test_recipe_loads_with_print_config_into_the_hybrid_strategy_and_causal_lm(r
 @pytest.mark.parametrize("recipe", RECIPES, ids=recipe_id)
 def test_recipe_mesh_multiplies_to_the_devices_and_keeps_tp_inside_a_node(recipe):
     from lightning_hybrid.distributed.parallel_dims import ParallelDims
-    from lightning_hybrid.models import CausalLM
     from lightning_hybrid.distributed.pipeline.split import plan_stages
+    from lightning_hybrid.models import CausalLM
 
     config = printed_config(recipe)
     mesh = mesh_of(config)
@@ -267,7 +266,8 @@ def _fake_bin(tmp_path: Path, scripts: dict[str, str]) -> Path:
     return bin_dir
 
 
-def _run_sbatch(tmp_path: Path, fit_status: int, preflight_status: int = 0) -> tuple[subprocess.CompletedProcess, list[str]]:
+def _run_sbatch(tmp_path: Path, fit_status: int,
+                preflight_status: int = 0) -> tuple[subprocess.CompletedProcess, list[str]]:
     calls = tmp_path / "calls.log"
     # srun runs its command (after the srun options); torchrun exits like the step would
     bin_dir = _fake_bin(tmp_path, {
@@ -372,8 +372,9 @@ def test_dockerfile_builds_on_a_cuda_pytorch_image_installs_the_package_and_docu
     lines = DOCKERFILE.read_text().splitlines()
     for i, line in enumerate(lines):
         if line.startswith("ENV "):
-            above = [l for l in lines[max(0, i - 3):i] if l.strip()]
-            assert above and (above[-1].startswith("#") or above[-1].startswith("ENV ")), f"ENV without a comment: {line}"
+            above = [previous for previous in lines[max(0, i - 3):i] if previous.strip()]
+            assert above and (above[-1].startswith("#") or above[-1].startswith("ENV ")), (
+                f"ENV without a comment: {line}")
 
 
 def _manifest() -> tuple[dict, dict]:

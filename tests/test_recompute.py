@@ -7,8 +7,12 @@ import copy
 import pytest
 import torch
 
+from lightning_hybrid.distributed.activation_checkpoint import (
+    apply_activation_checkpointing,
+    compile_blocks,
+    recomputed,
+)
 from lightning_hybrid.models import Qwen2, Qwen2Config
-from lightning_hybrid.distributed.activation_checkpoint import apply_activation_checkpointing, compile_blocks, recomputed
 
 
 @pytest.fixture(scope="module")

@@ -2,11 +2,10 @@
 
 from __future__ import annotations
 
+import lightning as L
 import torch
 import torch.nn.functional as F
 from torch import nn
-
-import lightning as L
 
 
 class TinyMLPLM(nn.Module):
@@ -38,7 +37,8 @@ class UserTPModule(L.LightningModule):
         from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
         if mesh["tensor_parallel"].size() > 1:
-            parallelize_module(self.model, mesh["tensor_parallel"], {"up": ColwiseParallel(), "down": RowwiseParallel()})
+            plan = {"up": ColwiseParallel(), "down": RowwiseParallel()}
+            parallelize_module(self.model, mesh["tensor_parallel"], plan)
         if mesh["data_parallel"].size() > 1:
             fully_shard(self.model, mesh=mesh["data_parallel"])
 

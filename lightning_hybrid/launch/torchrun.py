@@ -165,7 +165,7 @@ def _environment(pid: int) -> dict[str, str]:
         if psutil is not None:
             return dict(psutil.Process(pid).environ())
         raw = Path(f"/proc/{pid}/environ").read_bytes()
-    except Exception:  # the process ended meanwhile, or is not ours to read
+    except Exception:  # noqa: BLE001 - the process ended meanwhile or is not ours (psutil errors are no OSError)
         return {}
     pairs = (item.split(b"=", 1) for item in raw.split(b"\0") if b"=" in item)
     return {k.decode(errors="replace"): v.decode(errors="replace") for k, v in pairs}
