@@ -22,16 +22,17 @@ from pathlib import Path
 
 
 def worker(args: argparse.Namespace) -> None:
+    import lightning as L
     import torch
     import torch.distributed as dist
     from torch.utils.data import DataLoader, TensorDataset
 
-    import lightning as L
     from lightning_hybrid import FaultTolerantCheckpoint, HybridParallelStrategy
     from lightning_hybrid.models import CausalLM, Qwen2Config
 
     config = Qwen2Config(vocab_size=32000, hidden_size=args.hidden, intermediate_size=int(args.hidden * 2.75),
-                         num_hidden_layers=args.layers, num_attention_heads=16, num_key_value_heads=4, name="ckpt-bench")
+                         num_hidden_layers=args.layers, num_attention_heads=16, num_key_value_heads=4,
+                         name="ckpt-bench")
     results: dict = {"parameters": config.num_parameters()}
     tokens = torch.randint(0, 32000, (64, 65))
     data = DataLoader(TensorDataset(tokens[:, :-1], tokens[:, 1:]), batch_size=2)
@@ -109,7 +110,8 @@ def main() -> None:
         m = r[mode]
         blocked, save = sum(m["blocked"]) / len(m["blocked"]), sum(m["save"]) / len(m["save"])
         print(f"| {mode} | {blocked:.3f} | {save:.3f} | {gb / save:.2f} | {m['load']:.2f} | {gb / m['load']:.2f} |")
-    ratio = (sum(r["async"]["blocked"]) / len(r["async"]["blocked"])) / (sum(r["sync"]["blocked"]) / len(r["sync"]["blocked"]))
+    mean_async = sum(r["async"]["blocked"]) / len(r["async"]["blocked"])
+    ratio = mean_async / (sum(r["sync"]["blocked"]) / len(r["sync"]["blocked"]))
     print(f"async blocks training for {100 * ratio:.1f}% of the synchronous save time; "
           f"disk write speed in the same run: {disk:.2f} GB/s")
 

@@ -31,8 +31,7 @@ from typing import Optional
 
 import torch
 
-from lightning_hybrid.callbacks.throughput import (device_peak_flops, flops_per_token, normalize_dtype,
-                                                   peak_rss_bytes)
+from lightning_hybrid.callbacks.throughput import device_peak_flops, flops_per_token, normalize_dtype, peak_rss_bytes
 from lightning_hybrid.models import Qwen2, Qwen2Config
 
 TORCH_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -42,7 +41,8 @@ DEFAULTS = {"cuda": (4096, 2, 20, 3, "bf16", 1, None, None), "cpu": (256, 2, 8, 
 
 def benchmark_config(preset: str, width_divisor: int = 1, layers: Optional[int] = None,
                      vocab_size: Optional[int] = None) -> Qwen2Config:
-    """The preset, optionally narrower (hidden and MLP width divided, same head counts), shallower or with a smaller vocabulary.
+    """The preset, optionally narrower (hidden and MLP width divided, same head counts), shallower or with a
+    smaller vocabulary.
 
     Raises:
         ValueError: an unknown preset, or a divisor that does not divide the widths or leaves heads without dimensions.
@@ -51,7 +51,8 @@ def benchmark_config(preset: str, width_divisor: int = 1, layers: Optional[int] 
     if width_divisor < 1 or base.hidden_size % (width_divisor * base.num_attention_heads) or \
             base.intermediate_size % width_divisor:
         raise ValueError(f"--width-divisor={width_divisor} does not divide hidden_size={base.hidden_size} into "
-                         f"{base.num_attention_heads} heads and intermediate_size={base.intermediate_size}; try 1, 2 or 4")
+                         f"{base.num_attention_heads} heads and intermediate_size={base.intermediate_size}; "
+                         f"try 1, 2 or 4")
     values = dataclasses.asdict(base)
     values.update(hidden_size=base.hidden_size // width_divisor,
                   intermediate_size=base.intermediate_size // width_divisor,
@@ -120,7 +121,8 @@ def main(argv: Optional[list[str]] = None) -> None:
     parser.add_argument("--width-divisor", type=int, default=None, help="divide hidden and MLP width (GPU 1, CPU 4)")
     parser.add_argument("--layers", type=int, default=None, help="number of blocks (GPU: the preset's, CPU 4)")
     parser.add_argument("--vocab-size", type=int, default=None, help="vocabulary (GPU: the preset's, CPU 8192)")
-    parser.add_argument("--full-size", action="store_true", help="on CPU too: the preset's own width, depth, vocabulary")
+    parser.add_argument("--full-size", action="store_true",
+                        help="on CPU too: the preset's own width, depth, vocabulary")
     parser.add_argument("--compile", action="store_true", help="torch.compile each block")
     parser.add_argument("--peak-tflops", type=float, default=None, help="peak TFLOP/s of the device (overrides lookup)")
     args = parser.parse_args(argv)

@@ -1,4 +1,4 @@
-"""Step time of ``HybridParallelStrategy`` against a hand-written PyTorch loop and Lightning's ``ModelParallelStrategy``.
+"""Step time of ``HybridParallelStrategy`` against a hand-written loop and Lightning's ``ModelParallelStrategy``.
 
 The same Qwen2-shaped model, mesh, batch and optimizer are trained three ways, one after the other inside
 one process group (``torchrun`` per process count):

@@ -26,10 +26,10 @@ SCHEDULES = [("gpipe", 1), ("1f1b", 1), ("interleaved_1f1b", 2)]
 
 
 def worker(args: argparse.Namespace) -> None:
+    import lightning as L
     import torch
     from torch.utils.data import DataLoader, TensorDataset
 
-    import lightning as L
     from lightning_hybrid import HybridParallelStrategy
     from lightning_hybrid.models import CausalLM, Qwen2Config
 
@@ -50,7 +50,8 @@ def worker(args: argparse.Namespace) -> None:
             tokens = torch.randint(0, 256, (m * (args.steps + args.warmup), args.seq_len + 1))
             data = DataLoader(TensorDataset(tokens[:, :-1], tokens[:, 1:]), batch_size=m)
             strategy = HybridParallelStrategy(pp=args.pp, pp_schedule=schedule, virtual_stages=virtual, microbatches=m)
-            trainer = L.Trainer(strategy=strategy, accelerator="cpu", devices=args.pp, max_steps=args.steps + args.warmup,
+            trainer = L.Trainer(strategy=strategy, accelerator="cpu", devices=args.pp,
+                                max_steps=args.steps + args.warmup,
                                 logger=False, enable_checkpointing=False, enable_progress_bar=False,
                                 enable_model_summary=False, callbacks=[ResetAfterWarmup()])
             trainer.fit(CausalLM(config, lr=1e-4), train_dataloaders=data)
@@ -88,10 +89,12 @@ def main() -> None:
             subprocess.run(cmd, check=True, env={**os.environ, "OMP_NUM_THREADS": "1"},
                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
             rows.extend(json.loads(out.read_text()))
-    print(f"| schedule | pp | micro-batches | virtual stages | theoretical bubble | measured bubble | difference (points) |")
+    print("| schedule | pp | micro-batches | virtual stages | theoretical bubble | measured bubble "
+          "| difference (points) |")
     print("| --- | --- | --- | --- | --- | --- | --- |")
     for r in rows:
-        print(f"| {r['schedule']} | {r['pp']} | {r['microbatches']} | {r['virtual_stages']} | {100 * r['theoretical']:.1f}% "
+        print(f"| {r['schedule']} | {r['pp']} | {r['microbatches']} | {r['virtual_stages']} "
+              f"| {100 * r['theoretical']:.1f}% "
               f"| {100 * r['measured']:.1f}% | {100 * (r['measured'] - r['theoretical']):+.1f} |")
 
 

@@ -6,12 +6,13 @@ import importlib
 import sys
 from typing import Callable, Optional
 
-__all__ = ["main", "HybridCLI", "TOOLS"]
+__all__ = ["main", "TOOLS"]
 
 # Subcommands that are not Lightning's: name -> ("module:function", one-line help).
 TOOLS: dict[str, tuple[str, str]] = {
     "plan": ("lightning_hybrid.planner.cli:run_plan", "choose tp/pp/dp/micro-batching for a model and cluster"),
-    "preflight": ("lightning_hybrid.preflight.cli:preflight_main", "measure link bandwidth per mesh dimension (torchrun)"),
+    "preflight": ("lightning_hybrid.preflight.cli:preflight_main",
+                  "measure link bandwidth per mesh dimension (torchrun)"),
     "prepare-data": ("lightning_hybrid.data.prepare:prepare_main", "tokenize text/JSONL into a packed token file"),
     "export-hf": ("lightning_hybrid.checkpoint.export:export_main", "write a Hugging Face folder from a checkpoint"),
 }

@@ -43,7 +43,8 @@ def resolve_hf_path(path_or_repo: Union[str, Path],
     try:
         return Path(snapshot_download(repo_id=repo, allow_patterns=list(allow_patterns)))
     except RepositoryNotFoundError as err:
-        raise FileNotFoundError(f"Hugging Face repo {repo!r} not found (or gated: log in with `hf auth login`)") from err
+        raise FileNotFoundError(f"Hugging Face repo {repo!r} not found (or gated: log in with `hf auth login`)") \
+            from err
     except LocalEntryNotFoundError as err:
         how = ("HF_HUB_OFFLINE=1 is set" if constants.HF_HUB_OFFLINE else "the Hub cannot be reached")
         raise FileNotFoundError(f"Hugging Face repo {repo!r} is not in the local cache ({constants.HF_HUB_CACHE}) "

@@ -9,8 +9,15 @@ with the tests. Nothing here imports ``torch.distributed``: the notebook's kerne
     steps, losses = zip(*run["scalars"]["train_loss"])
 """
 
-from lightning_hybrid.launch.torchrun import (LocalJob, free_port, latest_version_dir, launch_cli, read_scalars,
-                                              torchrun_command, worker_pids)
+from lightning_hybrid.launch.torchrun import (
+                                              LocalJob,
+                                              free_port,
+                                              latest_version_dir,
+                                              launch_cli,
+                                              read_scalars,
+                                              torchrun_command,
+                                              worker_pids,
+)
 
 __all__ = ["launch_cli", "read_scalars", "latest_version_dir", "free_port", "torchrun_command", "worker_pids",
            "LocalJob"]

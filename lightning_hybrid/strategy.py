@@ -11,16 +11,15 @@ from datetime import timedelta
 from pathlib import Path
 from typing import Any, Callable, Optional, Union
 
-import torch
-from torch.optim import Optimizer
-from typing_extensions import override
-
 import lightning.pytorch as pl
+import torch
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
 from lightning.pytorch.strategies import ModelParallelStrategy, StrategyRegistry
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.model_helpers import is_overridden
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
+from torch.optim import Optimizer
+from typing_extensions import override
 
 from lightning_hybrid.checkpoint import sharded
 from lightning_hybrid.data.sampler import data_position, resumable_dataloader
@@ -295,7 +294,7 @@ class HybridParallelStrategy(ModelParallelStrategy):
         return {}
 
     def checkpoint_context(self) -> sharded.CheckpointContext:
-        """What the checkpoint writer and loader need of this job (see :class:`~lightning_hybrid.checkpoint.sharded.CheckpointContext`)."""
+        """What the checkpoint writer and loader need of this job (a :class:`~.sharded.CheckpointContext`)."""
         dims, module = self.dims, self.lightning_module
         layout = {"tp": dims.tp, "pp": dims.pp, "dp": dims.dp, "world_size": dims.world_size,
                   "data_parallel": self.options.data_parallel, "virtual_stages": self.options.virtual_stages,

@@ -15,9 +15,9 @@ from pathlib import Path
 import lightning as L
 import torch
 import torch.distributed as dist
+
 from helpers.equivalence import GLOBAL_BATCH, SEED, LossRecorder, make_dataset, make_trainer_kwargs, tiny_config
 from helpers.gather import first_prediction, full_weights, gather_merged, gather_objects
-
 from lightning_hybrid import HybridParallelStrategy
 from lightning_hybrid.models import CausalLM
 

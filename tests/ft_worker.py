@@ -17,9 +17,9 @@ from pathlib import Path
 import lightning as L
 import torch
 import torch.distributed as dist
+
 from helpers.equivalence import GLOBAL_BATCH, SEED, make_dataset, make_trainer_kwargs, tiny_config
 from helpers.gather import full_weights
-
 from lightning_hybrid import FaultTolerantCheckpoint, HybridParallelStrategy
 from lightning_hybrid.models import CausalLM
 

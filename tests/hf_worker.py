@@ -15,9 +15,9 @@ from pathlib import Path
 import lightning as L
 import torch
 import torch.distributed as dist
-from helpers.gather import first_prediction, gather_objects
 from torch.utils.data import DataLoader, TensorDataset
 
+from helpers.gather import first_prediction, gather_objects
 from lightning_hybrid import HybridParallelStrategy
 from lightning_hybrid.distributed.init_weights import local_region
 from lightning_hybrid.models import CausalLM, Qwen2Config

@@ -19,10 +19,10 @@ from torch.distributed.tensor import DTensor
 
 from lightning_hybrid.distributed.data_parallel import apply_fsdp
 from lightning_hybrid.distributed.parallel_dims import ParallelDims, build_mesh
-from lightning_hybrid.models import Qwen2, Qwen2Config
 from lightning_hybrid.distributed.pipeline.schedules import stage_ids_for_rank
 from lightning_hybrid.distributed.pipeline.split import build_stages, plan_stages
 from lightning_hybrid.distributed.tensor_parallel import apply_tensor_parallel
+from lightning_hybrid.models import Qwen2, Qwen2Config
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+
 from helpers.compare import same_tensors
 from helpers.equivalence import STEPS
 from helpers.launch import run_workers

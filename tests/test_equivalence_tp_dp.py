@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+
 from helpers.compare import TOL, assert_trains_like, max_relative_error
 from helpers.equivalence import run_reference
 from helpers.launch import run_workers

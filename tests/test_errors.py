@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import lightning as L
 import pytest
+
 from helpers.equivalence import make_dataset
 from helpers.launch import torchrun
-
 from lightning_hybrid import HybridParallelStrategy
 from lightning_hybrid.distributed.parallel_dims import ParallelDims
 from lightning_hybrid.models import CausalLM

@@ -8,9 +8,9 @@ from pathlib import Path
 
 import pytest
 import torch
+
 from helpers.compare import same_tensors
 from helpers.launch import TESTS, torchrun
-
 from lightning_hybrid.callbacks.fault_tolerant import EXIT_CODE_PREEMPTED, FaultTolerantCheckpoint
 from lightning_hybrid.checkpoint.manifest import CheckpointError, committed_checkpoints, set_aside_newer
 from lightning_hybrid.checkpoint.sharded import check_model_config

@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers.launch import TESTS, torchrun
 
+from helpers.launch import TESTS, torchrun
 from lightning_hybrid.checkpoint.export import export_hf, export_main, parse_size
 from lightning_hybrid.hub import resolve_hf_path
 from lightning_hybrid.models import Qwen2, Qwen2Config

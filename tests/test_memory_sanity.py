@@ -17,9 +17,9 @@ from pathlib import Path
 import lightning as L
 import pytest
 import torch
-from helpers.compare import local_tensor
 from torch.distributed.tensor import DTensor
 
+from helpers.compare import local_tensor
 from lightning_hybrid.models import CausalLM, Qwen2, Qwen2Config
 
 MESHES = {"tp2_dp2": (2, 1, 2), "tp2_pp2_dp2": (2, 2, 2)}  # name: (tp, pp, dp)

@@ -17,6 +17,7 @@ import sys
 from pathlib import Path
 
 import pytest
+
 from helpers.launch import free_port, kill_process_group, worker_env
 
 REPO = Path(__file__).resolve().parents[1]

@@ -11,8 +11,8 @@ from __future__ import annotations
 import json
 
 import pytest
-
 from launch import HERE, torchrun
+
 from lightning_hybrid.models import Qwen2Config
 from lightning_hybrid.planner.search import rank_memory
 

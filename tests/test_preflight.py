@@ -6,11 +6,11 @@ import copy
 import json
 
 import pytest
-
 from launch import torchrun
+
 from lightning_hybrid.preflight.cli import _key_values
-from lightning_hybrid.preflight.links import bus_bandwidth_factor
 from lightning_hybrid.preflight.health import check_gpu_health, gpu_type_from_name, read_nvml
+from lightning_hybrid.preflight.links import bus_bandwidth_factor
 
 HEALTHY_H100 = {
     "status": "checked", "index": 3, "name": "NVIDIA H100 80GB HBM3", "uuid": "GPU-5f3c",

@@ -20,6 +20,7 @@ from typing import Any, Optional
 
 import pytest
 import yaml
+
 from helpers.launch import torchrun
 
 REPO = Path(__file__).resolve().parents[1]
@@ -174,8 +175,8 @@ def test_planner_says_the_recipe_layout_fits(recipe):
 
 @pytest.mark.parametrize("recipe", [r for r in RECIPES if r.name.startswith("qwen")], ids=recipe_id)
 def test_checkpoint_interval_of_a_large_recipe_follows_the_planners_young_daly_estimate(recipe):
+    from lightning_hybrid.planner.interval import checkpoint_plan
     from lightning_hybrid.planner.search import estimate
-    from lightning_hybrid.planner.step_time import checkpoint_plan
 
     config = printed_config(recipe)
     ckpt = callback(config, "FaultTolerantCheckpoint")

@@ -11,10 +11,10 @@ import sys
 import time
 from pathlib import Path
 
+import lightning as L
 import pytest
 import torch
 
-import lightning as L
 from lightning_hybrid.callbacks import ThroughputMonitor, find_stragglers, flops_per_token, peak_flops
 from lightning_hybrid.callbacks.stragglers import Straggler, StragglerDetector, own_step_times
 from lightning_hybrid.callbacks.throughput import measure_cpu_peak_flops, training_state_bytes
@@ -180,7 +180,8 @@ def test_throughput_metrics_reach_tensorboard_and_a_summary_line_is_printed(tmp_
     assert len(events.Scalars("throughput/mfu_avg")) == 10 - 4  # from the step that fills the window
     # global tokens per step: 4 sequences of 32, one data-parallel rank
     m = monitor.last_metrics
-    assert m["throughput/tokens_per_sec"] * (m["throughput/step_time"] + m["throughput/data_wait"]) == pytest.approx(128)
+    seconds = m["throughput/step_time"] + m["throughput/data_wait"]
+    assert m["throughput/tokens_per_sec"] * seconds == pytest.approx(128)
     assert m["memory/optimizer_gib"] > 2 * m["memory/params_gib"]  # Adam: two moments plus step counters
     assert {"tok/s", "mfu"} <= set(trainer.progress_bar_metrics)
 
@@ -209,7 +210,8 @@ def test_validation_alone_with_the_monitor_attached_logs_nothing_and_does_not_fa
     ids = torch.randint(0, 256, (4, 16))
     monitor = ThroughputMonitor()
     kwargs = {**TRAINER_KWARGS, "limit_val_batches": 1}
-    L.Trainer(logger=False, callbacks=[monitor], **kwargs).validate(CausalLM("tiny"), DataLoader(TensorDataset(ids, ids)))
+    trainer = L.Trainer(logger=False, callbacks=[monitor], **kwargs)
+    trainer.validate(CausalLM("tiny"), DataLoader(TensorDataset(ids, ids)))
     assert monitor.last_metrics == {} and monitor.summary == ""
 
 
@@ -259,7 +261,8 @@ def test_stragglers_are_found_by_rank_host_and_coordinates_with_tp2(tmp_path):
     assert "stragglers at step 3: rank 1 (host" in result.stderr
     # tensor-parallel peers see the same 4 x 32 tokens: the global batch is 128 tokens, not 256
     m = record["metrics"]
-    assert m["throughput/tokens_per_sec"] * (m["throughput/step_time"] + m["throughput/data_wait"]) == pytest.approx(128)
+    seconds = m["throughput/step_time"] + m["throughput/data_wait"]
+    assert m["throughput/tokens_per_sec"] * seconds == pytest.approx(128)
     assert m["throughput/tokens_per_sec_per_device"] == pytest.approx(m["throughput/tokens_per_sec"] / 2)
     assert len([line for line in result.stdout.splitlines() if line.startswith("throughput: ")]) == 1
 

@@ -1,7 +1,6 @@
 """Training callbacks: fault-tolerant checkpoints, throughput/MFU/memory monitor with straggler detection."""
 
 from lightning_hybrid.callbacks.fault_tolerant import EXIT_CODE_PREEMPTED, FaultTolerantCheckpoint, Preempted
-
 from lightning_hybrid.callbacks.stragglers import Straggler, StragglerDetector, find_stragglers
 from lightning_hybrid.callbacks.throughput import ThroughputMonitor, flops_per_token, peak_flops
 

@@ -10,15 +10,21 @@ from datetime import timedelta
 from pathlib import Path
 from typing import Any, Optional, Union
 
-import torch
-
 import lightning.pytorch as pl
+import torch
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 
 from lightning_hybrid.checkpoint.dcp import SAVE_ERRORS, describe_save_error
+from lightning_hybrid.checkpoint.manifest import (
+    CheckpointError,
+    committed_checkpoints,
+    fsync_dir,
+    purge_old,
+    set_aside_newer,
+    step_dirname,
+    update_latest,
+)
 from lightning_hybrid.checkpoint.verify import verify_on_all_ranks
-from lightning_hybrid.checkpoint.manifest import (CheckpointError, committed_checkpoints, fsync_dir, purge_old,
-                                                  set_aside_newer, step_dirname, update_latest)
 
 __all__ = ["FaultTolerantCheckpoint", "Preempted", "EXIT_CODE_PREEMPTED", "CheckpointSavesFailed", "suggest_interval"]
 
@@ -313,7 +319,8 @@ class FaultTolerantCheckpoint(pl.Callback):
             raise CheckpointSavesFailed(
                 f"{self._failures} checkpoint saves in a row failed (last, step {step}: {cause}); training stopped. "
                 f"Free space or fix the storage at {self.dirpath}, then re-run to resume from the last checkpoint")
-        rank_zero_warn(f"checkpoint save of step {step} failed ({self._failures} in a row): {cause}; removed {tmp.name}, "
+        rank_zero_warn(f"checkpoint save of step {step} failed ({self._failures} in a row): {cause}; "
+                       f"removed {tmp.name}, "
                        f"training continues and the next interval tries again")
 
     # ------------------------------------------------------------------ end and failures

@@ -18,12 +18,11 @@ import time
 from collections import deque
 from typing import Any, Callable, Iterable, Optional
 
-import torch
-from torch import Tensor
-
 import lightning.pytorch as pl
+import torch
 from lightning.fabric.utilities.throughput import Throughput, get_available_flops
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
+from torch import Tensor
 
 from lightning_hybrid.callbacks.stragglers import StragglerDetector
 from lightning_hybrid.hardware import gpu_from_device_name, normalize_dtype
@@ -144,7 +143,8 @@ def _count_tokens(batch: Any) -> tuple[int, int]:
     """(tokens, sequence length) of a batch's ``input_ids``: a dict key, the first tuple item, or a tensor."""
     ids = batch.get("input_ids") if isinstance(batch, dict) else batch[0] if isinstance(batch, (tuple, list)) else batch
     if not isinstance(ids, Tensor):
-        raise ValueError(f"cannot count tokens of a {type(batch).__name__} batch; pass batch_tokens= to ThroughputMonitor")
+        raise ValueError(f"cannot count tokens of a {type(batch).__name__} batch; "
+                         f"pass batch_tokens= to ThroughputMonitor")
     return ids.numel(), ids.shape[-1] if ids.dim() else 1
 
 
@@ -336,7 +336,8 @@ class ThroughputMonitor(pl.Callback):
                 rates["mfu"] = device_flops / seconds / self._peak
         return rates
 
-    def _log(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", p: dict[str, float], interval: float) -> None:
+    def _log(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", p: dict[str, float],
+             interval: float) -> None:
         metrics = {f"throughput/{k}": v for k, v in self._rates(p["tokens"], p["flops"], interval).items()}
         metrics["throughput/step_time"] = p["step_time"]
         metrics["throughput/data_wait"] = p["data_wait"]

@@ -30,7 +30,8 @@ from torch import nn
 
 from lightning_hybrid.checkpoint.manifest import CheckpointError, file_record
 
-__all__ = ["SAVE_ERRORS", "describe_save_error", "model_optimizer_state", "write_shards", "load_shards", "rng_state", "restore_rng_state",
+__all__ = ["SAVE_ERRORS", "describe_save_error", "model_optimizer_state", "write_shards", "load_shards", "rng_state",
+           "restore_rng_state",
            "own_files", "TRAINER_STATE", "PendingWrite"]
 
 TRAINER_STATE = "trainer_state.pt"
@@ -56,7 +57,8 @@ def describe_save_error(err: BaseException) -> str:
         cause = wrapped[0] if isinstance(wrapped, tuple) else wrapped
         while cause.__cause__ is not None or (cause.__context__ is not None and not cause.__suppress_context__):
             cause = cause.__cause__ or cause.__context__
-        return f"rank {rank}: {type(cause).__name__}: {str(cause).strip().splitlines()[0] if str(cause).strip() else ''}"
+        lines = str(cause).strip().splitlines()
+        return f"rank {rank}: {type(cause).__name__}: {lines[0] if lines else ''}"
     text = str(err).strip().splitlines()
     return f"{type(err).__name__}: {text[0] if text else ''}"
 RNG_DIR = "rng"
@@ -64,8 +66,7 @@ RNG_DIR = "rng"
 
 def model_optimizer_state(module: nn.Module, optimizers: list[torch.optim.Optimizer]) -> dict[str, Any]:
     """The DCP state of ``module`` (global names, sharded tensors as DTensors) and its optimizers (flattened)."""
-    from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict,
-                                                         get_optimizer_state_dict)
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, get_optimizer_state_dict
 
     state: dict[str, Any] = {"model": get_model_state_dict(module)}
     flat = StateDictOptions(flatten_optimizer_state_dict=True)
@@ -119,8 +120,9 @@ def load_plain(path: Path, allowed: Sequence[Any] = ()) -> Any:
     except pickle.UnpicklingError as err:
         found = re.search(r"GLOBAL ([\w.]+)", str(err))
         what = f"it names {found.group(1)}" if found else "it holds more than tensors and plain values"
-        raise CheckpointError(f"refusing to load {path}: {what}, which a checkpoint never needs (a pickle that could "
-                              f"run code); nothing in it was executed. Was the file replaced by someone else?") from None
+        raise CheckpointError(f"refusing to load {path}: {what}, which a checkpoint never needs (a pickle that "
+                              f"could run code); nothing in it was executed. Was the file replaced by someone "
+                              f"else?") from None
 
 
 def own_files(folder: Path, group_rank: int, global_rank: int) -> list[str]:
@@ -193,8 +195,7 @@ def save_rng(folder: Path, global_rank: int) -> None:
 def load_shards(folder: Path, module: nn.Module, optimizers: list[torch.optim.Optimizer], group: Any) -> None:
     """Load model and optimizer states from ``folder`` into this rank's shards (any saved mesh)."""
     import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.state_dict import (StateDictOptions, set_model_state_dict,
-                                                         set_optimizer_state_dict)
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict, set_optimizer_state_dict
 
     state = model_optimizer_state(module, optimizers)
     dcp.load(state, checkpoint_id=str(folder), process_group=group)

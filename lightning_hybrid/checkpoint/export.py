@@ -20,8 +20,8 @@ import torch
 from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.metadata import Metadata
 
-from lightning_hybrid.models.qwen2.hf import TOKENIZER_FILES, expected_hf_tensors, hf_to_ours
 from lightning_hybrid.models.qwen2.config import Qwen2Config
+from lightning_hybrid.models.qwen2.hf import TOKENIZER_FILES, expected_hf_tensors, hf_to_ours
 
 __all__ = ["export_hf", "export_main", "parse_size", "hf_config_dict", "EXPORT_DTYPES"]
 
@@ -72,7 +72,8 @@ def hf_config_dict(config: Qwen2Config, dtype: torch.dtype, base: Optional[dict[
     values.update(fields)
     values.pop("layer_types", None)  # recomputed from use_sliding_window
     if isinstance(values.get("rope_parameters"), dict):
-        values["rope_parameters"] = {**values["rope_parameters"], "rope_theta": config.rope_theta, "rope_type": "default"}
+        values["rope_parameters"] = {**values["rope_parameters"], "rope_theta": config.rope_theta,
+                                     "rope_type": "default"}
     values.setdefault("bos_token_id", None)
     values.setdefault("eos_token_id", None)
     return dict(sorted(values.items()))

@@ -15,7 +15,7 @@ import shutil
 import zlib
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterable, Optional, Union
+from typing import Any, Iterable, Union
 
 __all__ = ["MANIFEST", "LATEST", "step_dirname", "file_record", "write_manifest",
            "CheckpointError", "committed_checkpoints", "set_aside_newer", "update_latest", "purge_old",

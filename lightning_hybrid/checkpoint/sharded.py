@@ -17,9 +17,19 @@ from typing import Any, Optional
 
 import torch
 
-from lightning_hybrid.checkpoint.dcp import (SAVE_ERRORS, TRAINER_STATE, describe_save_error, PendingWrite, load_rng, load_shards,
-                                             load_trainer_state, model_optimizer_state, save_rng, save_trainer_state,
-                                             write_shards)
+from lightning_hybrid.checkpoint.dcp import (
+    SAVE_ERRORS,
+    TRAINER_STATE,
+    PendingWrite,
+    describe_save_error,
+    load_rng,
+    load_shards,
+    load_trainer_state,
+    model_optimizer_state,
+    save_rng,
+    save_trainer_state,
+    write_shards,
+)
 from lightning_hybrid.checkpoint.manifest import MANIFEST, CheckpointError, file_record, write_manifest
 from lightning_hybrid.checkpoint.verify import verify_on_all_ranks
 
@@ -84,7 +94,7 @@ class ShardedSave:
     def __init__(self, ctx: CheckpointContext, folder: Path, pending: PendingWrite,
                  info: dict[str, Any], started: float, local_error: str = "") -> None:
         self.ctx = ctx
-        self.local_error = local_error  # a failure of this rank's own files (rank 0's trainer state), reported in finish
+        self.local_error = local_error  # a failure of this rank's own files (rank 0's trainer state), for finish
         self.folder = folder
         self.pending = pending
         self.info = info
@@ -144,7 +154,8 @@ def begin_save(ctx: CheckpointContext, checkpoint: dict[str, Any], folder: Path,
     errors: list = [None] * dist.get_world_size(group)
     dist.all_gather_object(errors, error, group=group)
     if any(errors):
-        raise CheckpointWriteError(f"saving {folder} failed: " + "; ".join(f"rank {r}: {e}" for r, e in enumerate(errors) if e))
+        failed = "; ".join(f"rank {r}: {e}" for r, e in enumerate(errors) if e)
+        raise CheckpointWriteError(f"saving {folder} failed: {failed}")
     state = model_optimizer_state(ctx.module.model, ctx.optimizers)
     # An asynchronous write runs its collectives in a background thread, on a group no other thread uses.
     writer_group = ctx.background_group if async_save else group

@@ -4,4 +4,5 @@ from lightning_hybrid.data.byte_text import ByteTextDataModule, PackedSequences,
 
 __all__ = ["ByteTextDataModule", "PackedSequences", "stdlib_text"]
 from lightning_hybrid.data.packed import PackedTokenDataModule, PackedTokenDataset  # noqa: E402
+
 __all__ += ["PackedTokenDataModule", "PackedTokenDataset"]

@@ -11,11 +11,10 @@ import sysconfig
 from pathlib import Path
 from typing import Optional
 
+import lightning.pytorch as pl
 import torch
 from torch import Tensor
 from torch.utils.data import DataLoader, Dataset
-
-import lightning.pytorch as pl
 
 __all__ = ["stdlib_text", "PackedSequences", "ByteTextDataModule"]
 

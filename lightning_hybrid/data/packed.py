@@ -13,12 +13,11 @@ import json
 from pathlib import Path
 from typing import Any, Optional, Union
 
+import lightning.pytorch as pl
 import numpy as np
 import torch
 from torch import Tensor
 from torch.utils.data import DataLoader, Dataset
-
-import lightning.pytorch as pl
 
 __all__ = ["PackedTokenDataset", "PackedTokenDataModule", "read_index", "TOKENS_FILE", "INDEX_FILE"]
 

@@ -99,7 +99,8 @@ def load_tokenizer(path_or_repo: str, eos_token: Optional[str] = None, backend: 
     else:
         raise ValueError(f"backend={backend!r} is not supported; use auto, transformers or tokenizers")
     if token is None or token_id is None:
-        raise ValueError(f"tokenizer {path_or_repo} has no EOS token{'' if token is None else f' {token!r} in its vocabulary'}; "
+        missing = "" if token is None else f" {token!r} in its vocabulary"
+        raise ValueError(f"tokenizer {path_or_repo} has no EOS token{missing}; "
                          f"pass --eos-token with a token of its vocabulary")
     return Tokenizer(encode, int(token_id), str(token), int(vocab_size), str(path_or_repo))
 
@@ -215,7 +216,8 @@ def prepare_main(argv: Optional[Sequence[str]] = None) -> int:
     parser = argparse.ArgumentParser(prog="lightning-hybrid prepare-data",
                                      description="Tokenize text/JSONL into a packed uint32 token file.")
     parser.add_argument("--tokenizer", required=True, help="Hugging Face folder or repo id with tokenizer.json")
-    parser.add_argument("--input", required=True, nargs="+", help="text files, or .jsonl files with one document a line")
+    parser.add_argument("--input", required=True, nargs="+",
+                        help="text files, or .jsonl files with one document a line")
     parser.add_argument("--output", required=True, help="output folder (tokens.bin, index.json)")
     parser.add_argument("--seq-len", required=True, type=int, help="training sequence length")
     parser.add_argument("--text-key", default="text", help="JSONL field holding the text")

@@ -61,10 +61,9 @@ def resumable_dataloader(dataloader: Any, resume: Optional[dict[str, int]]) -> t
     Returns:
         (the DataLoader, its new sampler when it is the training one else ``None``, whether ``resume`` was used).
     """
-    from torch.utils.data import DataLoader
-
     from lightning.pytorch.trainer.states import RunningStage
     from lightning.pytorch.utilities.data import _update_dataloader
+    from torch.utils.data import DataLoader
 
     if not isinstance(dataloader, DataLoader) or type(dataloader.sampler) is not DistributedSampler:
         return dataloader, None, False

@@ -15,7 +15,8 @@ from typing import TYPE_CHECKING, Any, Iterator, Optional
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
 
-__all__ = ["ParallelDims", "divisors", "format_choices", "build_mesh", "new_gloo_group", "tied_embedding_error", "MESH_DIMS"]
+__all__ = ["ParallelDims", "divisors", "format_choices", "build_mesh", "new_gloo_group", "tied_embedding_error",
+           "MESH_DIMS"]
 
 MESH_DIMS = ("pp", "dp", "tp")
 

@@ -15,13 +15,15 @@ from typing import TYPE_CHECKING, Any, Callable, Optional, Union
 import torch
 from torch import nn
 
-from lightning_hybrid.distributed.activation_checkpoint import (ACTIVATION_CHECKPOINTING,
-                                                                apply_activation_checkpointing, compile_blocks,
-                                                                resolve_selective)
+from lightning_hybrid.distributed.activation_checkpoint import (
+    ACTIVATION_CHECKPOINTING,
+    apply_activation_checkpointing,
+    compile_blocks,
+    resolve_selective,
+)
 from lightning_hybrid.distributed.data_parallel import DATA_PARALLEL_MODES, apply_fsdp
 from lightning_hybrid.distributed.parallel_dims import ParallelDims
-from lightning_hybrid.distributed.pipeline.schedules import (PP_SCHEDULES, default_microbatches,
-                                                             validate_schedule)
+from lightning_hybrid.distributed.pipeline.schedules import PP_SCHEDULES, default_microbatches, validate_schedule
 from lightning_hybrid.distributed.pipeline.split import plan_stages
 from lightning_hybrid.distributed.tensor_parallel import apply_tensor_parallel
 from lightning_hybrid.models.spec import ParallelSpec

@@ -24,8 +24,7 @@ __all__ = ["apply_tensor_parallel", "block_plan", "outer_plan"]
 def block_plan(spec: ParallelSpec, sequence_parallel: bool) -> dict:
     """The ``parallelize_module`` plan of one block."""
     from torch.distributed.tensor import Replicate, Shard
-    from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInput, RowwiseParallel,
-                                                   SequenceParallel)
+    from torch.distributed.tensor.parallel import ColwiseParallel, PrepareModuleInput, RowwiseParallel, SequenceParallel
 
     plan: dict = {}
     for name, style in spec.block_plan.items():

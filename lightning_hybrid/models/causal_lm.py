@@ -7,15 +7,14 @@ import math
 import os
 from typing import Any, Optional, Union
 
+import lightning.pytorch as pl
 import torch
 from torch import Tensor
-
-import lightning.pytorch as pl
 from torchmetrics import MeanMetric
 
+from lightning_hybrid.distributed.init_weights import init_parameters
 from lightning_hybrid.models.qwen2.config import Qwen2Config, flops_per_token, parallel_spec
 from lightning_hybrid.models.qwen2.model import Qwen2, parameter_init
-from lightning_hybrid.distributed.init_weights import init_parameters
 from lightning_hybrid.models.spec import ParallelSpec
 
 __all__ = ["CausalLM", "split_batch", "LR_SCHEDULES"]
@@ -113,7 +112,7 @@ class CausalLM(pl.LightningModule):
         return self.config.num_hidden_layers
 
     def flops_per_token(self, seq_len: int) -> float:
-        """Model FLOPs per trained token at ``seq_len`` (for MFU; see :func:`~lightning_hybrid.models.qwen2.flops_per_token`)."""
+        """Model FLOPs per trained token at ``seq_len``; see :func:`~lightning_hybrid.models.qwen2.flops_per_token`)."""
         return flops_per_token(self.config, seq_len)
 
     def _declared_runner(self) -> Optional[Any]:
@@ -250,7 +249,8 @@ class CausalLM(pl.LightningModule):
         )
         max_steps = hp.max_steps
         if max_steps is None:
-            max_steps = self.trainer.max_steps if self.trainer.max_steps > 0 else int(self.trainer.estimated_stepping_batches)
+            max_steps = (self.trainer.max_steps if self.trainer.max_steps > 0
+                         else int(self.trainer.estimated_stepping_batches))
         schedule = torch.optim.lr_scheduler.LambdaLR(
             optimizer,
             lambda step: lr_lambda(step, hp.warmup_steps, max_steps, hp.lr_schedule, hp.min_lr_ratio),

@@ -31,13 +31,9 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from typing import Optional
 
-from lightning_hybrid.hardware import GPU, GPUS, NETWORK_LATENCY_S, NVLINK_LATENCY_S
+from lightning_hybrid.hardware import GPU, NETWORK_LATENCY_S, NVLINK_LATENCY_S
 
-# ``checkpoint_plan`` moved to :mod:`lightning_hybrid.planner.interval`; still importable here because
-# tests/test_recipes.py and notebooks/src/03_planning_qwen2.5_72b.py import it (and ``GPUS``) from this module.
-from lightning_hybrid.planner.interval import checkpoint_plan
-
-__all__ = ["GPU", "GPUS", "Hardware", "collective_seconds", "checkpoint_plan"]
+__all__ = ["Hardware", "collective_seconds"]
 
 
 @dataclass(frozen=True)

@@ -25,9 +25,9 @@ import torch
 from matplotlib.patches import FancyArrowPatch, Rectangle
 
 from lightning_hybrid.distributed.parallel_dims import ParallelDims
-from lightning_hybrid.models import CausalLM, Qwen2, Qwen2Config
 from lightning_hybrid.distributed.pipeline.schedules import theoretical_bubble
 from lightning_hybrid.distributed.pipeline.split import build_stages, plan_stages
+from lightning_hybrid.models import CausalLM, Qwen2, Qwen2Config
 
 NODES, GPUS_PER_NODE = 16, 8
 dims = ParallelDims.resolve(tp=8, pp=2, dp=None, world_size=NODES * GPUS_PER_NODE, devices_per_node=GPUS_PER_NODE)
@@ -186,7 +186,8 @@ def time_stages(num_stages: int, repeats: int = 30) -> dict[tuple[str, int], flo
 four_chunks = time_stages(4)
 two_stages = {(op, s): four_chunks[(op, 2 * s)] + four_chunks[(op, 2 * s + 1)] for op in "FB" for s in range(2)}
 for name, t in (("4 chunks", four_chunks), ("2 stages", two_stages)):
-    print(f"{name}:", ", ".join(f"{op}{s} {1e3 * v:.2f} ms" for (op, s), v in sorted(t.items(), key=lambda kv: kv[0][1])))
+    ordered = sorted(t.items(), key=lambda kv: kv[0][1])
+    print(f"{name}:", ", ".join(f"{op}{s} {1e3 * v:.2f} ms" for (op, s), v in ordered))
 
 # %% [markdown]
 # A schedule is, for every pipeline rank, an order of forward (F) and backward (B) passes of (stage, micro-batch).
@@ -312,7 +313,8 @@ for title, name, v, orders, durations in cases:
 
 # %% [markdown]
 # What the charts and the table show (`balanced`: the same schedules with every stage as fast as the average one,
-# the assumption behind the textbook formula; `theory`: `theoretical_bubble` of `lightning_hybrid.distributed.pipeline.schedules`):
+# the assumption behind the textbook formula; `theory`: `theoretical_bubble` of
+# `lightning_hybrid.distributed.pipeline.schedules`):
 #
 # * With balanced stages **GPipe and 1F1B have the same bubble**, `(pp - 1) / (m + pp - 1)` = 1/9 for pp=2 and 8
 #   micro-batches. With the measured stages (the last one also runs the norm, the head and the loss) every

@@ -23,10 +23,12 @@ warnings.filterwarnings("ignore", message="IProgress not found")  # tqdm's noteb
 
 import matplotlib.pyplot as plt  # noqa: E402
 
+from lightning_hybrid.hardware import GPUS
 from lightning_hybrid.models import Qwen2Config
-from lightning_hybrid.planner.search import Layout, Problem, estimate, explain, search
 from lightning_hybrid.planner.cli import assumptions, format_table
-from lightning_hybrid.planner.step_time import GPUS, Hardware, checkpoint_plan
+from lightning_hybrid.planner.interval import checkpoint_plan
+from lightning_hybrid.planner.search import Layout, Problem, estimate, explain, search
+from lightning_hybrid.planner.step_time import Hardware
 
 MODEL = Qwen2Config.from_preset("qwen2.5-72b")
 SEQ, BATCH = 4096, 1024  # 1,024 sequences x 4,096 tokens = 4.19M tokens per step
@@ -104,7 +106,8 @@ plt.show()
 recipe = estimate(p128, layout(8, 2, "fsdp", "selective"))
 top = feasible[:15]
 labels = [f"tp{e.layout.tp} pp{e.layout.pp} dp{e.layout.dp}\n{e.layout.data_parallel} "
-          f"{e.layout.schedule.replace('interleaved_1f1b', 'il')}{'' if e.layout.virtual_stages == 1 else f' v{e.layout.virtual_stages}'}"
+          f"{e.layout.schedule.replace('interleaved_1f1b', 'il')}"
+          f"{'' if e.layout.virtual_stages == 1 else f' v{e.layout.virtual_stages}'}"
           f"\n{e.layout.recompute}" for e in top] + ["recipe\ntp8 pp2 dp8\nfsdp 1f1b\nselective"]
 rows = top + [recipe]
 fig, (ax_time, ax_mfu) = plt.subplots(2, 1, figsize=(15, 8), sharex=True)
@@ -156,7 +159,8 @@ for gpu, gpus in clusters:
               f"{best.tokens_per_second / 1e3:.0f}k tokens/s, {100e9 / best.tokens_per_second / 86400:.1f} days "
               f"per 100B tokens")
 on_h100 = estimate(problem("h100"), layout(8, 2, "fsdp", "selective"))
-print(f"\nthe recipe's layout on 128 x H100: {on_h100.memory['total'] / 1e9:.0f} of {on_h100.usable / 1e9:.0f} GB usable "
+print(f"\nthe recipe's layout on 128 x H100: {on_h100.memory['total'] / 1e9:.0f} of "
+      f"{on_h100.usable / 1e9:.0f} GB usable "
       f"({'fits' if on_h100.fits else 'does not fit'}), {on_h100.time['step']:.1f} s/step, MFU {on_h100.mfu:.1%}")
 names = [s[0] for s in summary if s[1] is not None]
 fig, (ax_tps, ax_mfu) = plt.subplots(1, 2, figsize=(13, 4))
@@ -182,7 +186,8 @@ plt.show()
 # %%
 plan = checkpoint_plan(recipe.checkpoint_bytes, 128, recipe.time["step"])
 print(f"save {plan['save_seconds']:.1f} s, job MTBF {plan['mtbf_hours']:.0f} h -> checkpoint every "
-      f"{plan['interval_seconds'] / 60:.0f} min (~{plan['interval_steps']} steps); time lost {plan['lost_fraction']:.2%}")
+      f"{plan['interval_seconds'] / 60:.0f} min (~{plan['interval_steps']} steps); "
+      f"time lost {plan['lost_fraction']:.2%}")
 minutes = [m for m in range(5, 400, 5)]
 lost = [plan["save_seconds"] / (60 * m) + (60 * m / 2 + plan["restart_seconds"]) / (3600 * plan["mtbf_hours"])
         for m in minutes]

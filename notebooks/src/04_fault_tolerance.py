@@ -89,7 +89,8 @@ print(" ".join(["lightning-hybrid", *COMMAND]))
 # cluster) and hands every output line to `on_line`. When rank 0 reports that `step-000020` is committed (at the
 # step boundary after the background write finished, so training is a step or more past it), the callback below
 # sends SIGKILL to the process of rank 1. Rank 0 loses its
-# peer in the middle of a collective and fails, and torchrun ends the job with an error: the run is lost from step 20 on, and nothing else.
+# peer in the middle of a collective and fails, and torchrun ends the job with an error: the run is lost from
+# step 20 on, and nothing else.
 
 # %%
 def kill_after_second_checkpoint(line: str, job) -> None:
@@ -148,7 +149,8 @@ for step in range(EVERY, TOTAL_STEPS + 1, EVERY):  # checkpoint step-N holds the
 ax_runs.set(xlabel="optimizer step", ylabel="training loss", title="two runs: the crash and the restart")
 ax_runs.legend()
 ax_joined.plot(*zip(*sorted(joined.items())), color="black")
-ax_joined.axvspan(redone[0] - 0.5, redone[-1] + 0.5, color="tab:orange", alpha=0.25, label="trained twice, identical losses")
+ax_joined.axvspan(redone[0] - 0.5, redone[-1] + 0.5, color="tab:orange", alpha=0.25,
+                  label="trained twice, identical losses")
 ax_joined.set(xlabel="optimizer step", title=f"joined: steps 0..{TOTAL_STEPS - 1}, each exactly once")
 ax_joined.legend()
 fig.tight_layout()

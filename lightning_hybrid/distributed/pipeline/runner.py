@@ -15,8 +15,14 @@ from torch import Tensor, nn
 
 from lightning_hybrid.distributed.parallel_dims import ParallelDims
 from lightning_hybrid.distributed.parallelize import ParallelOptions, parallelize
-from lightning_hybrid.distributed.pipeline.schedules import (V_SHAPED, ZERO_BUBBLE, last_stage_pp_rank,
-                                                             schedule_class, stage_ids_for_rank, theoretical_bubble)
+from lightning_hybrid.distributed.pipeline.schedules import (
+    V_SHAPED,
+    ZERO_BUBBLE,
+    last_stage_pp_rank,
+    schedule_class,
+    stage_ids_for_rank,
+    theoretical_bubble,
+)
 from lightning_hybrid.distributed.pipeline.split import build_stages, plan_stages
 from lightning_hybrid.distributed.pipeline.timer import StageTimer
 from lightning_hybrid.models.spec import IGNORE_INDEX, ParallelSpec
@@ -40,8 +46,7 @@ def forward_only_order(schedule: Any, microbatches: int) -> Iterator[None]:
     builds a custom order); ``tests/test_torch_private_apis.py`` fails loudly when they change.
     The training order is restored afterwards.
     """
-    from torch.distributed.pipelining.schedules import (_Action, _add_send_recv, _add_unshard_reshard,
-                                                        _ComputationType)
+    from torch.distributed.pipelining.schedules import _Action, _add_send_recv, _add_unshard_reshard, _ComputationType
 
     saved = schedule.pipeline_order_with_comms
     stage_to_rank = dict(schedule.stage_index_to_group_rank)
@@ -139,7 +144,8 @@ class PipelineRunner:
         if input_ids.shape[0] % self.microbatches:
             raise ValueError(
                 f"the per-rank batch of {input_ids.shape[0]} sequences does not split into microbatches="
-                f"{self.microbatches}; use a batch size that is a multiple of {self.microbatches} or change microbatches"
+                f"{self.microbatches}; use a batch size that is a multiple of {self.microbatches} or change "
+                f"microbatches"
             )
 
     def __call__(self, input_ids: Tensor, labels: Tensor, train: bool) -> tuple[Tensor, Tensor, Tensor]:
@@ -166,7 +172,7 @@ class PipelineRunner:
             with torch.inference_mode(False), torch.no_grad(), self._forward_only():
                 self.schedule.eval(*args, **kwargs)
         if self.is_last:
-            local = torch.stack([l.detach().float() for l in losses]).sum() / self.grad_scale
+            local = torch.stack([loss.detach().float() for loss in losses]).sum() / self.grad_scale
             stats[0] = self._dp_sum(local.reshape(1))[0] / self.dp
         src = dist.get_global_rank(self.pp_group, self.last_stage_pp_rank)
         dist.broadcast(stats, src=src, group=self.pp_group)

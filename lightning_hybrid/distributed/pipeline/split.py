@@ -103,12 +103,14 @@ def plan_stages(spec: ParallelSpec, num_blocks: int, num_stages: int,
         return _plans(spec, bounds, num_blocks)
     if len(points) != num_stages - 1:
         raise ValueError(f"pp_split_points={points} names {len(points)} stage starts; {num_stages} stages need "
-                         f"{num_stages - 1}, like {[f'{spec.blocks}.{(i + 1) * num_blocks // num_stages}' for i in range(num_stages - 1)]}")
+                         f"{num_stages - 1}, like "
+                         f"{[f'{spec.blocks}.{(i + 1) * num_blocks // num_stages}' for i in range(num_stages - 1)]}")
     starts = []
     for point in points:
         prefix, _, index = str(point).rpartition(".")
         if prefix != spec.blocks or not index.isdigit() or not 0 < int(index) < num_blocks:
-            raise ValueError(f"split point {point!r} does not exist; use {spec.blocks}.N with 1 <= N <= {num_blocks - 1}")
+            raise ValueError(f"split point {point!r} does not exist; use {spec.blocks}.N with "
+                             f"1 <= N <= {num_blocks - 1}")
         starts.append(int(index))
     if starts != sorted(set(starts)):
         raise ValueError(f"pp_split_points={points} must be strictly increasing")

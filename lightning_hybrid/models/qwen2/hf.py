@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import json
 import re
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterator
 from contextlib import ExitStack
 from dataclasses import dataclass
 from pathlib import Path
@@ -113,7 +113,7 @@ read_stats = ReadStats()
 
 
 class SafetensorsFolder:
-    """The tensors of a Hugging Face folder: one ``model.safetensors`` or shards listed in ``model.safetensors.index.json``.
+    """The tensors of a Hugging Face folder: one ``model.safetensors`` or the shards its index lists.
 
     Files are opened lazily (memory-mapped) and headers read without touching tensor data. Use as a
     context manager so the files are closed.
@@ -139,7 +139,7 @@ class SafetensorsFolder:
         else:
             files = sorted(p.name for p in self.folder.glob("*.safetensors"))
             if not files:
-                pickles = sorted(p.name for p in self.folder.glob("*.bin")) + sorted(p.name for p in self.folder.glob("*.pt"))
+                pickles = sorted(p.name for pattern in ("*.bin", "*.pt") for p in self.folder.glob(pattern))
                 hint = (f" (found {', '.join(pickles[:3])}: pickled weights are never loaded; convert them to "
                         f"safetensors)" if pickles else "")
                 raise FileNotFoundError(f"no *.safetensors files in {self.folder}{hint}")

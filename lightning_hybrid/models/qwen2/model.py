@@ -13,8 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from lightning_hybrid.models.qwen2.config import Qwen2Config
-from lightning_hybrid.models.qwen2.config import parallel_spec
+from lightning_hybrid.models.qwen2.config import Qwen2Config, parallel_spec
 from lightning_hybrid.models.spec import IGNORE_INDEX, ParallelSpec
 
 __all__ = ["Qwen2", "Qwen2Block", "parameter_init", "RMSNorm", "rotary_tables", "apply_rotary", "IGNORE_INDEX"]
@@ -199,5 +198,5 @@ class Qwen2(nn.Module):
         return parameter_init(self.config, name)
 
     def parallel_spec(self) -> ParallelSpec:
-        """Parts, TP plan and relative costs of this model (see :func:`~lightning_hybrid.models.qwen2.config.parallel_spec`)."""
+        """Parts, TP plan and relative costs of this model (see :func:`~.config.parallel_spec`)."""
         return parallel_spec(self.config)
