@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from datetime import timedelta
 from pathlib import Path
-from typing import Any, Callable, Optional, Union
+from typing import Any, Callable, Literal, Optional, Union
 
 import lightning.pytorch as pl
 import torch
@@ -22,11 +22,11 @@ from torch.optim import Optimizer
 from typing_extensions import override
 
 from lightning_hybrid.checkpoint import sharded
-from lightning_hybrid.data.sampler import data_position, resumable_dataloader
+from lightning_hybrid.data.sampler import batch_size_of, data_position, resumable_dataloader
 from lightning_hybrid.distributed.clip_grad import use_global_norm_clipping
-from lightning_hybrid.distributed.data_parallel import all_reduce_gradients
-from lightning_hybrid.distributed.init_weights import initialize_declared
-from lightning_hybrid.distributed.parallel_dims import ParallelDims, build_mesh, new_gloo_group
+from lightning_hybrid.distributed.data_parallel import all_reducing
+from lightning_hybrid.distributed.init_weights import initialize_declared, move_buffers
+from lightning_hybrid.distributed.parallel_dims import ParallelDims, build_mesh, lightning_mesh, new_gloo_group
 from lightning_hybrid.distributed.parallelize import ParallelOptions, check_options, parallelize, require_meta
 from lightning_hybrid.distributed.pipeline.runner import PipelineRunner, build_pipeline
 from lightning_hybrid.distributed.pipeline.schedules import PP_SCHEDULES
@@ -43,8 +43,9 @@ class HybridParallelStrategy(ModelParallelStrategy):
     :class:`~lightning_hybrid.models.CausalLM`) is parallelized by the strategy: TP plan, then FSDP2
     or replication over ``dp``, then materialized from the meta device with mesh-independent
     initialization. A LightningModule whose ``configure_model`` parallelizes itself, written for
-    Lightning's ``ModelParallelStrategy``, keeps working with ``pp=1``: its ``device_mesh`` answers to
-    ``"data_parallel"`` and ``"tensor_parallel"`` too.
+    Lightning's ``ModelParallelStrategy``, keeps working with ``pp=1``: its ``device_mesh`` is Lightning's 2-D
+    mesh ``("data_parallel", "tensor_parallel")``, and Lightning's size keywords are accepted. Unlike
+    ``ModelParallelStrategy()`` (tp = devices per node), a bare ``HybridParallelStrategy()`` is tp=1, dp=world.
 
     Args:
         tp: tensor-parallel size; keep it within a node.
@@ -73,6 +74,8 @@ class HybridParallelStrategy(ModelParallelStrategy):
         save_distributed_checkpoint: each rank writes its shards (``True``) or rank 0 a full file.
         process_group_backend: ``"nccl"``/``"gloo"``; ``None`` chooses by device.
         timeout: timeout of collectives; a dead peer ends the run with a timeout error instead of a hang.
+        data_parallel_size: Lightning's name of ``dp``; ``"auto"``: the number of nodes.
+        tensor_parallel_size: Lightning's name of ``tp``; ``"auto"``: the devices per node.
 
     Raises:
         ValueError: an argument has an unknown value (on construction, on every rank), or the sizes do not
@@ -100,6 +103,8 @@ class HybridParallelStrategy(ModelParallelStrategy):
         save_distributed_checkpoint: bool = True,
         process_group_backend: Optional[str] = None,
         timeout: Optional[timedelta] = default_pg_timeout,
+        data_parallel_size: Optional[Union[int, Literal["auto"]]] = None,
+        tensor_parallel_size: Optional[Union[int, Literal["auto"]]] = None,
     ) -> None:
         super().__init__(data_parallel_size="auto", tensor_parallel_size="auto",
                          save_distributed_checkpoint=save_distributed_checkpoint,
@@ -108,7 +113,8 @@ class HybridParallelStrategy(ModelParallelStrategy):
             tp=tp, pp=pp, dp=dp, data_parallel=data_parallel, sequence_parallel=sequence_parallel,
             pp_schedule=pp_schedule, microbatches=microbatches, virtual_stages=virtual_stages,
             pp_split_points=pp_split_points, activation_checkpointing=activation_checkpointing,
-            selective_ac=selective_ac, compile=compile, reduce_dtype=reduce_dtype)
+            selective_ac=selective_ac, compile=compile, reduce_dtype=reduce_dtype,
+            data_parallel_size=data_parallel_size, tensor_parallel_size=tensor_parallel_size)
         self.preflight = bool(preflight)
         self._dims: Optional[ParallelDims] = None
         self._spec: Optional[ParallelSpec] = None
@@ -171,7 +177,9 @@ class HybridParallelStrategy(ModelParallelStrategy):
 
             run_preflight_or_raise(self.device_mesh, PREFLIGHT_MAX_BYTES[self.root_device.type])
         assert self.lightning_module is not None
-        self.lightning_module._device_mesh = self._device_mesh
+        # A module that parallelizes itself gets Lightning's 2-D mesh (pp=1); a declared one the 3-D mesh.
+        self.lightning_module._device_mesh = self._device_mesh if self._spec is not None else lightning_mesh(
+            self._device_mesh, self.dims, self.root_device.type, self._timeout)
 
     @override
     def setup(self, trainer: "pl.Trainer") -> None:
@@ -218,10 +226,7 @@ class HybridParallelStrategy(ModelParallelStrategy):
         assert self.model is not None
         if self._spec is None:
             return super().model_to_device()
-        for module in self.model.modules():
-            for key, buf in module._buffers.items():
-                if buf is not None and buf.device != self.root_device:
-                    module._buffers[key] = buf.to(self.root_device)
+        move_buffers(self.model, self.root_device)
 
     @override
     def backward(self, closure_loss: torch.Tensor, optimizer: Optional[Optimizer], *args: Any,
@@ -237,23 +242,14 @@ class HybridParallelStrategy(ModelParallelStrategy):
     def optimizer_step(self, optimizer: Optimizer, closure: Callable[[], Any],
                        model: Optional[Union["pl.LightningModule", torch.nn.Module]] = None, **kwargs: Any) -> Any:
         if self._spec is not None and self.dims.dp > 1 and self.options.data_parallel == "replicate":
-            closure = self._reducing(closure)
+            closure = all_reducing(closure, self.lightning_module.model, self.device_mesh["dp"].get_group(),
+                                   self.dims.dp, self.options.reduction_dtype(self._precision))
         result = super().optimizer_step(optimizer, closure, model, **kwargs)
         if self.pipeline is not None:
             # Gradients of the next step accumulate from zero inside the schedule (Lightning's own zero_grad
             # runs after training_step, which is too late for a pipeline; CausalLM skips it).
             optimizer.zero_grad(set_to_none=True)
         return result
-
-    def _reducing(self, closure: Callable[[], Any]) -> Callable[[], Any]:
-        """Lightning's closure, then the replicated gradients averaged over dp (before clipping sees them)."""
-        def reduced() -> Any:
-            result = closure()
-            all_reduce_gradients(self.lightning_module.model.parameters(), self.device_mesh["dp"].get_group(),
-                                 self.dims.dp, self.options.reduction_dtype(self._precision))
-            return result
-
-        return reduced
 
     @override
     def on_train_end(self) -> None:
@@ -266,9 +262,8 @@ class HybridParallelStrategy(ModelParallelStrategy):
 
     @override
     def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
-        from lightning.pytorch.utilities.data import extract_batch_size
-
-        self.per_rank_batch_size = extract_batch_size(batch)
+        # Only the data position needs it: a batch without tensors (strings) takes the DataLoader's batch_size.
+        self.per_rank_batch_size = batch_size_of(batch, self.lightning_module.trainer.train_dataloader)
         super().on_train_batch_start(batch, batch_idx)
 
     @override
@@ -296,13 +291,10 @@ class HybridParallelStrategy(ModelParallelStrategy):
     def checkpoint_context(self) -> sharded.CheckpointContext:
         """What the checkpoint writer and loader need of this job (a :class:`~.sharded.CheckpointContext`)."""
         dims, module = self.dims, self.lightning_module
-        layout = {"tp": dims.tp, "pp": dims.pp, "dp": dims.dp, "world_size": dims.world_size,
-                  "data_parallel": self.options.data_parallel, "virtual_stages": self.options.virtual_stages,
-                  "pp_schedule": self.options.pp_schedule}
         position = data_position(module._trainer, self.per_rank_batch_size, dims.dp, self.train_sampler)
-        return sharded.CheckpointContext(module, list(self.optimizers),
-                                         self.global_rank, self.world_size, self.checkpoint_group,
-                                         self.background_checkpoint_group, layout, position)
+        return sharded.CheckpointContext(module, list(self.optimizers), self.global_rank, self.world_size,
+                                         self.checkpoint_group, self.background_checkpoint_group,
+                                         self.options.layout(dims), position)
 
     def begin_save(self, checkpoint: dict[str, Any], folder: Any, async_save: bool) -> sharded.ShardedSave:
         """Start writing a sharded checkpoint of a declared model (see :mod:`lightning_hybrid.checkpoint.sharded`)."""

@@ -13,7 +13,7 @@ from typing import Any, Iterator, Optional
 
 from torch.utils.data import Dataset, DistributedSampler
 
-__all__ = ["ResumableDistributedSampler", "resumable_dataloader", "data_position"]
+__all__ = ["ResumableDistributedSampler", "resumable_dataloader", "data_position", "batch_size_of"]
 
 
 class ResumableDistributedSampler(DistributedSampler):
@@ -77,6 +77,23 @@ def resumable_dataloader(dataloader: Any, resume: Optional[dict[str, int]]) -> t
         sampler.resume_from(resume["epoch"], resume["samples_in_epoch"])
     loader = _update_dataloader(dataloader, sampler, mode=RunningStage.TRAINING if old.shuffle else None)
     return loader, sampler if old.shuffle else None, resume is not None
+
+
+def batch_size_of(batch: Any, loader: Any) -> Optional[int]:
+    """The per-rank batch size the data position counts in.
+
+    Lightning's ``extract_batch_size`` (the first dimension of the batch's tensors) when the batch has tensors; for
+    a batch without any (strings tokenized in ``training_step``) the ``batch_size`` of the training ``loader``;
+    ``None`` when neither tells (then no data position is recorded; training is not affected).
+    """
+    from lightning.fabric.utilities.exceptions import MisconfigurationException
+    from lightning.pytorch.utilities.data import extract_batch_size
+
+    try:
+        return extract_batch_size(batch)
+    except MisconfigurationException:  # "We could not infer the batch_size from the batch"
+        size = getattr(loader, "batch_size", None)
+        return size if isinstance(size, int) and not isinstance(size, bool) else None
 
 
 def data_position(trainer: Any, per_rank_batch_size: Optional[int], dp: int,

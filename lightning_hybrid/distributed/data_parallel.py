@@ -8,7 +8,7 @@ per optimizer step (not per accumulation micro-step).
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Iterable, Optional
+from typing import TYPE_CHECKING, Any, Callable, Iterable, Optional
 
 import torch
 from torch import Tensor, nn
@@ -17,7 +17,7 @@ if TYPE_CHECKING:
     from torch.distributed import ProcessGroup
     from torch.distributed.device_mesh import DeviceMesh
 
-__all__ = ["DATA_PARALLEL_MODES", "GRADIENT_BUCKET_BYTES", "apply_fsdp", "all_reduce_gradients"]
+__all__ = ["DATA_PARALLEL_MODES", "GRADIENT_BUCKET_BYTES", "apply_fsdp", "all_reduce_gradients", "all_reducing"]
 
 DATA_PARALLEL_MODES = ("fsdp", "replicate")
 # Replicated gradients are all-reduced in buckets of about this size (also the planner's DP message size).
@@ -93,3 +93,15 @@ def all_reduce_gradients(parameters: Iterable[Tensor], group: "ProcessGroup", wo
             flat.div_(world)
             for g, reduced in zip(bucket, _unflatten_dense_tensors(flat, bucket)):
                 g.copy_(reduced)  # casts back to the gradient's dtype
+
+
+def all_reducing(closure: Callable[[], Any], model: nn.Module, group: "ProcessGroup", world: int,
+                 reduce_dtype: Optional[torch.dtype] = None) -> Callable[[], Any]:
+    """Lightning's optimizer closure (forward and backward), then the replicated gradients of ``model`` averaged over
+    ``group`` with :func:`all_reduce_gradients`, before gradient clipping and the optimizer see them."""
+    def reduced() -> Any:
+        result = closure()
+        all_reduce_gradients(model.parameters(), group, world, reduce_dtype)
+        return result
+
+    return reduced

@@ -14,7 +14,8 @@ from typing import Any, Callable
 import torch
 from torch import Tensor, nn
 
-__all__ = ["init_parameters", "fill_normal_region", "canonical_name", "local_region", "initialize_declared"]
+__all__ = ["init_parameters", "fill_normal_region", "canonical_name", "local_region", "initialize_declared",
+           "move_buffers"]
 
 _BLOCK_ELEMENTS = 1 << 20
 # Wrappers that insert a level into parameter names: activation checkpointing and torch.compile.
@@ -119,3 +120,12 @@ def initialize_declared(lightning_module: Any, target: nn.Module, declared: nn.M
         hook(target, seed)
     else:
         init_parameters(target, seed, declared.parameter_init)
+
+
+def move_buffers(module: nn.Module, device: torch.device) -> None:
+    """Move the buffers of ``module`` that are not on ``device`` there (a materialized declared model's parameters
+    are on it already; only buffers built outside the meta device, like rotary tables, may be left behind)."""
+    for sub in module.modules():
+        for key, buf in sub._buffers.items():
+            if buf is not None and buf.device != device:
+                sub._buffers[key] = buf.to(device)

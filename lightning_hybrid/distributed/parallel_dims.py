@@ -8,6 +8,7 @@ and PP outermost: the pipeline's point-to-point traffic is the lightest and may 
 from __future__ import annotations
 
 import contextlib
+import warnings
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any, Iterator, Optional
@@ -15,10 +16,12 @@ from typing import TYPE_CHECKING, Any, Iterator, Optional
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
 
-__all__ = ["ParallelDims", "divisors", "format_choices", "build_mesh", "new_gloo_group", "tied_embedding_error",
-           "MESH_DIMS"]
+__all__ = ["ParallelDims", "divisors", "format_choices", "build_mesh", "lightning_mesh", "new_gloo_group",
+           "tied_embedding_error", "MESH_DIMS", "LIGHTNING_MESH_DIMS"]
 
 MESH_DIMS = ("pp", "dp", "tp")
+# The mesh Lightning's ModelParallelStrategy gives a LightningModule.
+LIGHTNING_MESH_DIMS = ("data_parallel", "tensor_parallel")
 
 
 def divisors(n: int) -> list[int]:
@@ -171,3 +174,30 @@ def build_mesh(dims: ParallelDims, device_type: str, timeout: Optional[timedelta
         mesh = init_device_mesh(device_type, (dims.pp, dims.dp, dims.tp), mesh_dim_names=MESH_DIMS)
         _lightning_names(mesh)
     return mesh
+
+
+def lightning_mesh(mesh: "DeviceMesh", dims: ParallelDims, device_type: str,
+                   timeout: Optional[timedelta] = None) -> "DeviceMesh":
+    """The 2-D mesh ``("data_parallel", "tensor_parallel")`` of shape ``(dp, tp)`` that Lightning's
+    ``ModelParallelStrategy`` gives a LightningModule, for ``pp=1``.
+
+    Code written for that strategy may read it by position (``dp, tp = self.device_mesh.shape``); the 3-D mesh
+    ``("pp", "dp", "tp")`` of :func:`build_mesh` would give it ``pp`` first. The 2-D mesh is ``mesh`` sliced by the
+    names :func:`build_mesh` registered, so it uses the very process groups of its ``dp`` and ``tp`` dimensions.
+    Where DeviceMesh no longer allows that slice (torch announces its deprecation), it is a new mesh over the
+    same ranks in the same order (the same groups, created again, timing out after ``timeout``).
+
+    Raises:
+        ValueError: ``dims.pp > 1`` (a pipeline has no 2-D mesh).
+    """
+    if dims.pp != 1:
+        raise ValueError(f"the 2-D mesh {LIGHTNING_MESH_DIMS} exists only with pp=1, not pp={dims.pp}")
+    try:
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message="Slicing a flattened dim from root mesh")
+            return mesh[LIGHTNING_MESH_DIMS]
+    except (KeyError, RuntimeError):
+        from torch.distributed.device_mesh import init_device_mesh
+
+        with _group_timeout(timeout):
+            return init_device_mesh(device_type, (dims.dp, dims.tp), mesh_dim_names=LIGHTNING_MESH_DIMS)

@@ -10,7 +10,7 @@ the user chose (validated on construction, so every rank raises alike before any
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Callable, Optional, Union
+from typing import TYPE_CHECKING, Any, Callable, Literal, Optional, Union
 
 import torch
 from torch import nn
@@ -32,7 +32,7 @@ if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
 
 __all__ = ["ParallelOptions", "check_options", "parallelize", "require_meta", "DECLARED_PRECISIONS",
-           "REDUCE_DTYPES", "choice", "positive_int"]
+           "REDUCE_DTYPES", "choice", "positive_int", "lightning_size"]
 
 DECLARED_PRECISIONS = ("32-true", "bf16-mixed", "bf16-true")
 REDUCE_DTYPES = {"fp32": torch.float32, "float32": torch.float32, "bf16": torch.bfloat16, "bfloat16": torch.bfloat16}
@@ -57,12 +57,53 @@ def positive_int(name: str, value: Any, allow_none: bool = False) -> None:
         raise ValueError(f"{name}={value!r} must be a positive integer" + (" or None" if allow_none else ""))
 
 
+def lightning_size(name: str, value: Any) -> None:
+    """Raise ``ValueError`` unless ``value`` is a size as Lightning's ``ModelParallelStrategy`` takes it: a positive
+    ``int`` or ``"auto"`` (or ``None``: not given)."""
+    if value is None or value == "auto":
+        return
+    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+        raise ValueError(f"{name}={value!r} must be a positive integer or 'auto'")
+
+
+def _alias(name: str, value: Any, default: Any, alias: str, alias_value: Any) -> Any:
+    """``value``, or the integer ``alias_value`` given under Lightning's name when ``value`` is left at ``default``.
+
+    Raises:
+        ValueError: both are given as integers and differ.
+    """
+    if not isinstance(alias_value, int):  # None (not given) or "auto" (resolved in check_options)
+        return value
+    if value != default and value != alias_value:
+        raise ValueError(f"{name}={value} and {alias}={alias_value} disagree; give one of them ({alias} is "
+                         f"Lightning's name for {name})")
+    return alias_value
+
+
+def _auto(name: str, value: Any, default: Any, alias: str, alias_value: Any, auto: int) -> Any:
+    """``value``, or ``auto`` when the size was given as ``"auto"`` under Lightning's name.
+
+    Raises:
+        ValueError: ``value`` was given too (not left at ``default``) and differs from ``auto``.
+    """
+    if alias_value != "auto":
+        return value
+    if value != default and value != auto:
+        raise ValueError(f"{name}={value} and {alias}='auto' (= {auto} here) disagree; give one of them")
+    return auto
+
+
 @dataclass
 class ParallelOptions:
     """What the user chose for the parallel layout; see :class:`~lightning_hybrid.HybridParallelStrategy`.
 
+    ``tensor_parallel_size`` and ``data_parallel_size`` are Lightning's names of ``tp`` and ``dp``: an integer
+    given there is taken when ``tp``/``dp`` is left at its default (1, ``None``); ``"auto"`` is resolved at
+    setup as Lightning does (:meth:`sizes`).
+
     Raises:
-        ValueError: an unknown name or a size that is not a positive integer (on construction).
+        ValueError: an unknown name, a size that is not a positive integer, or one size given under both names
+            with different values (on construction).
     """
 
     tp: int = 1
@@ -78,11 +119,18 @@ class ParallelOptions:
     selective_ac: Union[str, int] = "op"
     compile: bool = False
     reduce_dtype: Optional[str] = None
+    # Lightning's ModelParallelStrategy names for dp and tp; "auto" as there: dp = nodes, tp = devices per node.
+    data_parallel_size: Optional[Union[int, Literal["auto"]]] = None
+    tensor_parallel_size: Optional[Union[int, Literal["auto"]]] = None
 
     def __post_init__(self) -> None:
         for name in ("tp", "pp", "virtual_stages"):
             positive_int(name, getattr(self, name))
         positive_int("dp", self.dp, allow_none=True)
+        lightning_size("data_parallel_size", self.data_parallel_size)
+        lightning_size("tensor_parallel_size", self.tensor_parallel_size)
+        self.tp = _alias("tp", self.tp, 1, "tensor_parallel_size", self.tensor_parallel_size)
+        self.dp = _alias("dp", self.dp, None, "data_parallel_size", self.data_parallel_size)
         positive_int("microbatches", self.microbatches, allow_none=True)
         self.data_parallel = choice("data_parallel", self.data_parallel, DATA_PARALLEL_MODES)
         self.sequence_parallel = bool(self.sequence_parallel)
@@ -100,6 +148,24 @@ class ParallelOptions:
         if self.microbatches is not None:
             return self.microbatches
         return default_microbatches(self.pp_schedule, self.pp, self.virtual_stages)
+
+    def sizes(self, world_size: int, devices_per_node: Optional[int]) -> tuple[int, Optional[int]]:
+        """``(tp, dp)`` with Lightning's ``"auto"`` resolved: ``tensor_parallel_size="auto"`` is the devices per node,
+        ``data_parallel_size="auto"`` the number of nodes (``devices_per_node=None``: one node).
+
+        Raises:
+            ValueError: ``tp``/``dp`` was given too and differs from what ``"auto"`` means here.
+        """
+        per_node = devices_per_node or world_size
+        tp = _auto("tp", self.tp, 1, "tensor_parallel_size", self.tensor_parallel_size, per_node)
+        dp = _auto("dp", self.dp, None, "data_parallel_size", self.data_parallel_size, world_size // per_node)
+        return tp, dp
+
+    def layout(self, dims: ParallelDims) -> dict[str, Any]:
+        """The layout a checkpoint records: sizes, data-parallel mode, stages per rank and schedule."""
+        return {"tp": dims.tp, "pp": dims.pp, "dp": dims.dp, "world_size": dims.world_size,
+                "data_parallel": self.data_parallel, "virtual_stages": self.virtual_stages,
+                "pp_schedule": self.pp_schedule}
 
     def param_dtype(self, precision: str) -> Optional[torch.dtype]:
         """Compute dtype of FSDP2's gathered weights: bf16 under ``bf16-mixed`` (the shards stay fp32)."""
@@ -127,7 +193,8 @@ def check_options(options: ParallelOptions, world_size: int, devices_per_node: O
     Raises:
         ValueError: sizes that do not fit the world or the model, or a feature the module cannot use.
     """
-    dims = ParallelDims.resolve(options.tp, options.pp, options.dp, world_size, devices_per_node=devices_per_node)
+    tp, dp = options.sizes(world_size, devices_per_node)
+    dims = ParallelDims.resolve(tp, options.pp, dp, world_size, devices_per_node=devices_per_node)
     if spec is not None and precision not in DECLARED_PRECISIONS:
         raise ValueError(f"precision={precision!r} is not supported for a declared model; "
                          f"use one of {DECLARED_PRECISIONS}")
