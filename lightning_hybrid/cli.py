@@ -1,12 +1,21 @@
-"""The ``lightning-hybrid`` command: LightningCLI's fit/validate/test/predict plus the project's tools."""
+"""The ``lightning-hybrid`` command: LightningCLI's fit/validate/test/predict plus the project's tools.
+
+A user's mistake (a bad value, a missing file, a layout that cannot work) ends the command with one line on
+stderr, printed once (by global rank 0, or the launcher process), naming the bad value and what would fit,
+and a non-zero exit code; no traceback unless ``LIGHTNING_HYBRID_DEBUG=1``. Everything knowable from the
+config (strategy sizes against the devices, the model preset and its blocks, schedules, micro-batches
+against the batch size) is checked right after the config is parsed, before any worker process starts.
+"""
 
 from __future__ import annotations
 
 import importlib
+import os
 import sys
-from typing import Callable, Optional
+from pathlib import Path
+from typing import Any, Callable, Optional
 
-__all__ = ["main", "TOOLS"]
+__all__ = ["main", "TOOLS", "EXIT_USER_ERROR", "user_error_message", "check_before_launch", "check_strategy_arguments"]
 
 # Subcommands that are not Lightning's: name -> ("module:function", one-line help).
 TOOLS: dict[str, tuple[str, str]] = {
@@ -22,6 +31,9 @@ LIGHTNING_SUBCOMMANDS = {
     "test": "run one test epoch",
     "predict": "run prediction",
 }
+EXIT_USER_ERROR = 2  # argparse's code for a bad command line
+DEBUG_ENV = "LIGHTNING_HYBRID_DEBUG"
+_PACKAGE_DIR = str(Path(__file__).resolve().parent)
 
 
 def _usage() -> str:
@@ -44,13 +56,145 @@ def _tool(target: str) -> Callable[[list[str]], int]:
     return getattr(module, func)
 
 
-def _lightning_cli(argv: Optional[list[str]]) -> None:
+def _is_global_rank_zero() -> bool:
+    """True in the launcher process or global rank 0 (torchrun sets RANK; Lightning's launcher LOCAL_RANK/NODE_RANK)."""
+    if "RANK" in os.environ:
+        return os.environ["RANK"] == "0"
+    return os.environ.get("LOCAL_RANK", "0") == "0" and os.environ.get("NODE_RANK", "0") == "0"
+
+
+def _raised_in_package(err: BaseException) -> bool:
+    tb = err.__traceback__
+    last = None
+    while tb is not None:
+        last = tb.tb_frame.f_code.co_filename
+        tb = tb.tb_next
+    return last is not None and str(Path(last).resolve()).startswith(_PACKAGE_DIR)
+
+
+def user_error_message(err: BaseException) -> Optional[str]:
+    """The one-line message of a user's mistake somewhere in ``err``'s chain, or ``None`` for anything else (a bug).
+
+    A user's mistake is a ``ValueError``, ``TypeError``, ``FileNotFoundError`` or checkpoint error raised by this
+    package's own checks (libraries wrap them: jsonargparse re-raises the constructor's error inside its own).
+    """
+    from lightning_hybrid.checkpoint.manifest import CheckpointError
+
+    seen: set[int] = set()
+    chain: list[BaseException] = []
+    while err is not None and id(err) not in seen:
+        seen.add(id(err))
+        chain.append(err)
+        err = err.__cause__ or err.__context__
+    for item in chain:
+        if isinstance(item, CheckpointError) or (
+                isinstance(item, (ValueError, TypeError, FileNotFoundError)) and _raised_in_package(item)):
+            return " ".join(str(item).split())
+    return None
+
+
+def check_before_launch(trainer: Any, model: Any, datamodule: Any) -> None:
+    """What the parsed config alone decides: the strategy's sizes against the devices and the model, and the
+    micro-batches against the per-rank batch size. Runs before any worker process starts.
+
+    Raises:
+        ValueError: naming the bad value and what would fit.
+    """
+    from lightning_hybrid.distributed.parallelize import check_options
+    from lightning_hybrid.distributed.pipeline.schedules import check_batch_splits
+    from lightning_hybrid.strategy import HybridParallelStrategy
+
+    strategy = trainer.strategy
+    if not isinstance(strategy, HybridParallelStrategy):
+        return
+    spec_fn = getattr(model, "parallel_spec", None)
+    spec = spec_fn() if callable(spec_fn) else None
+    devices = trainer.num_devices
+    options = strategy.options
+    check_options(options, devices * trainer.num_nodes, devices if trainer.num_nodes > 1 else None, spec,
+                  model.num_blocks() if spec is not None else None, str(trainer.precision), type(model).__name__)
+    batch = getattr(getattr(datamodule, "hparams", None), "batch_size", None)
+    if options.pp > 1 and isinstance(batch, int):
+        check_batch_splits(batch, options.num_microbatches)
+
+
+def check_strategy_arguments(strategy: Any) -> None:
+    """Construct the configured strategy once when it is a :class:`~lightning_hybrid.HybridParallelStrategy`.
+
+    Raises:
+        ValueError: the strategy's own one-line error for a bad argument.
+    """
+    from lightning_hybrid.strategy import HybridParallelStrategy
+
+    class_path = getattr(strategy, "class_path", None) if strategy is not None else None
+    if not isinstance(class_path, str):
+        return
+    module_name, _, name = class_path.rpartition(".")
+    try:
+        cls = getattr(importlib.import_module(module_name), name)
+    except (ImportError, AttributeError, ValueError):
+        return  # jsonargparse reports an unknown class itself
+    if isinstance(cls, type) and issubclass(cls, HybridParallelStrategy):
+        init_args = getattr(strategy, "init_args", None)
+        cls(**(dict(vars(init_args)) if init_args is not None else {}))
+
+
+def _cli_class() -> type:
     from lightning.pytorch.cli import LightningCLI
 
+    class HybridCLI(LightningCLI):
+        """LightningCLI that checks the job before Lightning launches its processes (its ``before_<subcommand>``
+        hooks run after the classes are built and before the Trainer starts anything)."""
+
+        def before_instantiate_classes(self) -> None:
+            # jsonargparse folds a constructor's error into its own multi-line message; build the strategy from its
+            # parsed arguments first, so a bad value raises the strategy's own one-line error.
+            config = self.config.get(self.subcommand) if self.subcommand else self.config
+            check_strategy_arguments(config.get("trainer", {}).get("strategy"))
+
+        def _check(self) -> None:
+            check_before_launch(self.trainer, self.model, self.datamodule)
+
+        before_fit = before_validate = before_test = before_predict = _check
+
+    return HybridCLI
+
+
+def _check_config_files(argv: list[str]) -> None:
+    """Parse each ``--config`` YAML file first, so a syntax error names the file and its line.
+
+    Raises:
+        ValueError: a file is missing or is not valid YAML.
+    """
+    import yaml
+
+    for flag, value in zip(argv, argv[1:]):
+        if flag not in ("--config", "-c"):
+            continue
+        path = Path(value)
+        if not path.is_file():
+            raise ValueError(f"--config {value}: no such file")
+        try:
+            yaml.safe_load(path.read_text())
+        except yaml.YAMLError as err:
+            mark = getattr(err, "problem_mark", None)
+            where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
+            problem = getattr(err, "problem", None) or str(err).splitlines()[0]
+            raise ValueError(f"--config {value}: YAML syntax error{where}: {problem}") from None
+
+
+def _lightning_cli(argv: list[str], explicit: bool) -> None:
     from lightning_hybrid.models import CausalLM
 
-    LightningCLI(CausalLM, subclass_mode_data=True, args=argv,
+    _check_config_files(argv[1:])
+    _cli_class()(CausalLM, subclass_mode_data=True, args=argv if explicit else None,
                  save_config_kwargs={"overwrite": True}, auto_configure_optimizers=False)
+
+
+def _fail(command: str, message: str) -> int:
+    if _is_global_rank_zero():
+        print(f"lightning-hybrid {command}: error: {message}", file=sys.stderr, flush=True)
+    return EXIT_USER_ERROR
 
 
 def main(argv: Optional[list[str]] = None) -> int:
@@ -61,14 +205,18 @@ def main(argv: Optional[list[str]] = None) -> int:
         print(_usage())
         return 0
     command = argv[0]
-    if command in TOOLS:
-        return int(_tool(TOOLS[command][0])(argv[1:]) or 0)
-    if command in LIGHTNING_SUBCOMMANDS:
-        _lightning_cli(argv if explicit else None)  # None: LightningCLI reads sys.argv itself
+    if command not in TOOLS and command not in LIGHTNING_SUBCOMMANDS:
+        return _fail(command, f"unknown subcommand; use one of {', '.join([*LIGHTNING_SUBCOMMANDS, *TOOLS])}")
+    try:
+        if command in TOOLS:
+            return int(_tool(TOOLS[command][0])(argv[1:]) or 0)
+        _lightning_cli(argv, explicit)  # not explicit: LightningCLI reads sys.argv itself
         return 0
-    print(f"lightning-hybrid: unknown subcommand {command!r}; use one of "
-          f"{', '.join([*LIGHTNING_SUBCOMMANDS, *TOOLS])}", file=sys.stderr)
-    return 2
+    except Exception as err:  # noqa: BLE001 - a user's mistake becomes one line; anything else is re-raised
+        message = user_error_message(err)
+        if message is None or os.environ.get(DEBUG_ENV) == "1":
+            raise
+        return _fail(command, message)
 
 
 if __name__ == "__main__":

@@ -4,7 +4,10 @@ Environment: OUT (folder for results), CKPT (checkpoint folder), STEPS, EVERY (s
 ASYNC (0/1), KILL_AT (step at which KILL_RANK SIGKILLs itself, right after that step's save started),
 KILL_ONLY_FIRST_ATTEMPT (1: only when torchrun's restart count is 0), SIGTERM_AT (every rank sends itself
 SIGTERM at that step), SLOW_WRITER_RANK (that rank's background writer pauses 2 s before its first
-collective), TP, PP.
+collective), TP, PP. FILL_DISK_AT (rank 0 fills the checkpoint file system after that step, before the next
+step's save), FREE_DISK_AT (rank 0 waits for the pending save to end after that step, then frees the space again),
+FAIL_LIKE_DCP_AT (every rank's DCP file writer raises ENOSPC for that step's checkpoint, where no file system can
+be mounted).
 """
 
 from __future__ import annotations
@@ -12,6 +15,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import time
 from pathlib import Path
 
 import lightning as L
@@ -34,6 +38,16 @@ class Faults(L.Callback):
     def __init__(self, out: Path) -> None:
         self.out = out
 
+    def fill_or_free_disk(self, trainer, step: int) -> None:
+        if int(env("FILL_DISK_AT", "0")) == step and trainer.global_rank == 0:
+            fill_disk(_ballast())
+        if int(env("FREE_DISK_AT", "0")) == step:
+            checkpoint = next(c for c in trainer.callbacks if isinstance(c, FaultTolerantCheckpoint))
+            while checkpoint._pending is not None and not checkpoint._pending.ready():
+                time.sleep(0.05)  # the failing background write of the previous save ends first
+            if trainer.global_rank == 0:
+                _ballast().unlink()
+
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
         step = trainer.global_step
         if trainer.global_rank == 0:
@@ -55,9 +69,51 @@ class Faults(L.Callback):
         if kill_at and step == kill_at and trainer.global_rank == int(env("KILL_RANK", "1")):
             if not first_only or env("TORCHELASTIC_RESTART_COUNT", "0") == "0":
                 os.kill(os.getpid(), signal.SIGKILL)
+        self.fill_or_free_disk(trainer, step)
         if int(env("SIGTERM_AT", "0")) == step and not (self.out / f"sigterm_sent_{trainer.global_rank}").exists():
             (self.out / f"sigterm_sent_{trainer.global_rank}").touch()
             os.kill(os.getpid(), signal.SIGTERM)
+
+
+def _ballast() -> Path:
+    return Path(env("CKPT")) / "ballast.bin"
+
+
+def fill_disk(path: Path) -> None:
+    """Write zeros into ``path`` until the file system is full (ENOSPC)."""
+    block = b"\0" * (1 << 20)
+    with open(path, "wb") as f:
+        try:
+            while True:
+                f.write(block)
+                f.flush()
+        except OSError:
+            pass
+    with open(path, "ab") as f:  # the last partial MiB
+        try:
+            while True:
+                f.write(b"\0" * 4096)
+                f.flush()
+        except OSError:
+            pass
+
+
+def inject_dcp_like_failures() -> None:
+    """FAIL_LIKE_DCP_AT=N: DCP's own file writer raises ENOSPC while writing the step-N checkpoint, so DCP wraps it
+    exactly as for a full disk (CheckpointException, from the background thread when async)."""
+    fail_at = int(env("FAIL_LIKE_DCP_AT", "0"))
+    if not fail_at:
+        return
+    from torch.distributed.checkpoint.filesystem import FileSystemWriter
+
+    original = FileSystemWriter.write_data
+
+    def write_data(self, plan, planner):
+        if f"step-{fail_at:06d}" in str(self.path):
+            raise OSError(28, "No space left on device")
+        return original(self, plan, planner)
+
+    FileSystemWriter.write_data = write_data
 
 
 def inject_write_failures() -> None:
@@ -108,6 +164,7 @@ def slow_down_background_writer() -> None:
 
 def main() -> None:
     inject_write_failures()
+    inject_dcp_like_failures()
     slow_down_background_writer()
     out, ckpt = Path(env("OUT")), Path(env("CKPT"))
     tp, pp = int(env("TP", "2")), int(env("PP", "2"))

@@ -208,8 +208,28 @@ def test_a_checkpoint_of_another_model_is_refused_naming_both_configs(tmp_path):
     saved = {"name": "tiny", "hidden_size": 64, "num_hidden_layers": 4}
     current = {"name": "tiny-wide", "hidden_size": 128, "num_hidden_layers": 4}
     with pytest.raises(ValueError,
-                       match=r"is of another model \(tiny vs tiny-wide\): hidden_size: checkpoint 64 vs model 128"):
-        check_model_config(saved, current, tmp_path)
+                       match=r"is of another model \(tiny vs tiny-wide\): hidden_size: checkpoint 64 vs model 128; "
+                             r"load it into a model with the same config, or give this model another checkpoint "
+                             r"folder \(FaultTolerantCheckpoint dirpath\) or move .* away"):
+        check_model_config(saved, current, tmp_path / "step-000004")
+
+
+def test_a_signal_after_training_is_recorded_and_does_not_end_the_process(tmp_path):
+    import os
+    import signal
+
+    class FakeTrainer:
+        is_global_zero = True
+
+    before = signal.getsignal(signal.SIGUSR1)
+    callback = FaultTolerantCheckpoint(tmp_path, every_n_steps=1)
+    try:
+        callback.on_train_start(FakeTrainer(), None)
+        callback.on_train_end(FakeTrainer(), None)  # nothing pending: commits nothing, keeps a SIGUSR1 handler
+        os.kill(os.getpid(), signal.SIGUSR1)       # the default action would terminate this process
+        assert callback.late_signals == [signal.SIGUSR1]
+    finally:
+        signal.signal(signal.SIGUSR1, before)
 
 
 def test_consecutive_save_failures_stop_training_with_a_clear_error(tmp_path):
@@ -229,3 +249,38 @@ def test_young_daly_interval_is_logged_from_the_measured_save_time():
 
     # 60 s saves, 24 h MTBF: sqrt(2 * 60 * 86400) = 3220 s before Daly's correction
     assert 3100 < suggest_interval(60.0, 24.0) < 3300
+
+
+def _mount_tmpfs(path: Path, size: str) -> bool:
+    """A real small file system at ``path`` (root only); False where mounting is not allowed."""
+    import subprocess
+
+    path.mkdir(parents=True, exist_ok=True)
+    return subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(path)],
+                          capture_output=True).returncode == 0
+
+
+@pytest.mark.parametrize("async_save", [True, False], ids=["async", "sync"])
+def test_a_full_disk_fails_one_save_training_continues_and_the_next_save_commits(baseline, tmp_path, async_save):
+    # The real DCP writer on a real 64 MB tmpfs: rank 0 fills it after step 5, so the step-6 save fails (in DCP's
+    # background thread when async, as a CheckpointException, a BaseException); the space comes back after step 6.
+    import subprocess
+
+    disk = tmp_path / "disk"
+    mounted = _mount_tmpfs(disk, "64m")
+    faults = {"FILL_DISK_AT": 5, "FREE_DISK_AT": 6} if mounted else {"FAIL_LIKE_DCP_AT": 6}
+    try:
+        result = _run(tmp_path, disk / "ckpt", ASYNC=int(async_save), KEEP=3, **faults)
+        log = result.stdout + result.stderr
+        assert "checkpoint save of step 6 failed (1 in a row)" in log, log[-3000:]
+        assert "No space left on device" in log or "unexpected pos" in log, log[-3000:]
+        assert log.count("checkpoint save of step 6 failed") == 1  # logged once, by rank 0
+        assert "step-000006 (step 6" not in log and "Traceback" not in log
+        names = [c.path.name for c in committed_checkpoints(disk / "ckpt")]
+        assert names == ["step-000008", "step-000004", "step-000002"]
+        assert not list((disk / "ckpt").glob("*.tmp"))
+        assert [d["loss"] for d in _losses(tmp_path)] == [d["loss"] for d in _losses(baseline)]
+        assert same_tensors(_final(tmp_path)["final"], _final(baseline)["final"])
+    finally:
+        if mounted:
+            subprocess.run(["umount", "-l", str(disk)], capture_output=True)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import shutil
 import signal
+import sys
 import time
 from datetime import timedelta
 from pathlib import Path
@@ -123,6 +124,7 @@ class FaultTolerantCheckpoint(pl.Callback):
         self._failures = 0
         self._signal_received = 0
         self._old_handlers: dict[int, Any] = {}
+        self.late_signals: list[int] = []  # signals received after training ended (recorded, harmless)
         self._last_save_time = time.monotonic()
         self._last_checked_step = -1
         self._training_started = False
@@ -210,9 +212,17 @@ class FaultTolerantCheckpoint(pl.Callback):
         self._signal_received = signum
 
     def _restore_signals(self) -> None:
+        # SIGUSR1 keeps a handler until the process exits: SLURM's warning before the time limit may come while the
+        # job still exports or gathers after training, and the default action (terminate) would make a finished job
+        # look failed and be requeued. The late signal is only recorded and reported.
         for signum, handler in self._old_handlers.items():
-            signal.signal(signum, handler)
+            signal.signal(signum, self._after_training if signum == signal.SIGUSR1 else handler)
         self._old_handlers.clear()
+
+    def _after_training(self, signum: int, frame: Any) -> None:
+        self.late_signals.append(signum)
+        print(f"received {signal.Signals(signum).name} after training ended; the run is complete, finishing normally",
+              file=sys.stderr, flush=True)
 
     # ------------------------------------------------------------------ saving
 

@@ -183,7 +183,8 @@ def check_model_config(saved: Optional[dict[str, Any]], current: Optional[dict[s
     if diff:
         fields = ", ".join(f"{k}: checkpoint {a} vs model {b}" for k, (a, b) in sorted(diff.items()))
         raise ValueError(f"checkpoint {folder} is of another model ({saved.get('name')} vs {current.get('name')}): "
-                         f"{fields}; load it into a model with the same config")
+                         f"{fields}; load it into a model with the same config, or give this model another "
+                         f"checkpoint folder (FaultTolerantCheckpoint dirpath) or move {folder.parent} away")
 
 
 def load(ctx: CheckpointContext, folder: Path) -> dict[str, Any]:

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import sysconfig
 from pathlib import Path
-from typing import Optional
+from typing import Any, Optional
 
 import lightning.pytorch as pl
 import torch
@@ -61,6 +61,13 @@ class PackedSequences(Dataset):
         return {"input_ids": window[:-1], "labels": window[1:]}
 
 
+def check_positive(**values: Any) -> None:
+    """Raise one ``ValueError`` naming the first of ``values`` that is not a positive integer (``None`` passes)."""
+    for name, value in values.items():
+        if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
+            raise ValueError(f"{name}={value!r} must be a positive integer")
+
+
 class ByteTextDataModule(pl.LightningDataModule):
     """Byte-level language modelling on the standard library's source code.
 
@@ -76,6 +83,7 @@ class ByteTextDataModule(pl.LightningDataModule):
     def __init__(self, seq_len: int = 128, batch_size: int = 8, max_bytes: int = 4_000_000,
                  val_fraction: float = 0.05, root: Optional[str] = None, num_workers: int = 0) -> None:
         super().__init__()
+        check_positive(seq_len=seq_len, batch_size=batch_size, max_bytes=max_bytes)
         if not 0.0 < val_fraction < 1.0:
             raise ValueError(f"val_fraction={val_fraction} must be between 0 and 1")
         self.save_hyperparameters()

@@ -19,6 +19,8 @@ import torch
 from torch import Tensor
 from torch.utils.data import DataLoader, Dataset
 
+from lightning_hybrid.data.byte_text import check_positive
+
 __all__ = ["PackedTokenDataset", "PackedTokenDataModule", "read_index", "TOKENS_FILE", "INDEX_FILE"]
 
 TOKENS_FILE = "tokens.bin"
@@ -114,6 +116,7 @@ class PackedTokenDataModule(pl.LightningDataModule):
     def __init__(self, path: str, batch_size: int = 8, seq_len: Optional[int] = None, val_fraction: float = 0.01,
                  num_workers: int = 0, shuffle: bool = True) -> None:
         super().__init__()
+        check_positive(batch_size=batch_size, seq_len=seq_len)
         if not 0.0 <= val_fraction < 1.0:
             raise ValueError(f"val_fraction={val_fraction} must be in [0, 1)")
         self.save_hyperparameters()

@@ -168,6 +168,10 @@ def prepare_data(tokenizer: Union[str, Tokenizer], inputs: Sequence[Union[str, P
     """
     if not isinstance(seq_len, int) or seq_len < 1:
         raise ValueError(f"seq_len={seq_len!r} must be a positive integer")
+    missing = [str(p) for p in inputs if not Path(p).is_file()]
+    if missing:  # checked before the tokenizer, which may be a download
+        more = f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""
+        raise FileNotFoundError(f"input {missing[0]} does not exist{more}")
     tok = tokenizer if isinstance(tokenizer, Tokenizer) else load_tokenizer(tokenizer, eos_token)
     out = Path(output)
     if (out / INDEX_FILE).exists() and not overwrite:

@@ -204,8 +204,6 @@ def run_plan(argv: Optional[list[str]] = None) -> int:
         print(f"\n{len(feasible)} layouts fit; the fastest {min(args.top, len(feasible))} "
               "(memory in GB on the fullest rank, time in s per optimizer step):")
         print(format_table(feasible[: args.top]))
-    else:
-        print("\n" + message, file=sys.stderr)
     print("\nwhy not simpler layouts:")
     for ex in explanations:
         print("  " + ex["text"])
@@ -220,6 +218,8 @@ def run_plan(argv: Optional[list[str]] = None) -> int:
     print("\nassumptions:")
     for line in assumptions(p):
         print("  - " + line)
+    if not feasible:  # the reason and the fix come last, where a user looks first
+        print(message, file=sys.stderr, flush=True)
     return 0 if feasible else 1
 
 

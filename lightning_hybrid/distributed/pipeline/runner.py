@@ -18,6 +18,7 @@ from lightning_hybrid.distributed.parallelize import ParallelOptions, paralleliz
 from lightning_hybrid.distributed.pipeline.schedules import (
     V_SHAPED,
     ZERO_BUBBLE,
+    check_batch_splits,
     last_stage_pp_rank,
     schedule_class,
     stage_ids_for_rank,
@@ -141,12 +142,7 @@ class PipelineRunner:
         return output if self.is_last else None
 
     def _check_batch(self, input_ids: Tensor) -> None:
-        if input_ids.shape[0] % self.microbatches:
-            raise ValueError(
-                f"the per-rank batch of {input_ids.shape[0]} sequences does not split into microbatches="
-                f"{self.microbatches}; use a batch size that is a multiple of {self.microbatches} or change "
-                f"microbatches"
-            )
+        check_batch_splits(input_ids.shape[0], self.microbatches)
 
     def __call__(self, input_ids: Tensor, labels: Tensor, train: bool) -> tuple[Tensor, Tensor, Tensor]:
         """(loss for Lightning, global mean loss, global label-token count), the same on every rank."""

@@ -12,7 +12,7 @@ from typing import Any
 
 __all__ = ["PP_SCHEDULES", "SINGLE_STAGE", "LOOPED", "V_SHAPED", "ZERO_BUBBLE", "schedule_class",
            "default_microbatches", "last_stage_pp_rank", "stage_ids_for_rank", "validate_schedule",
-           "theoretical_bubble"]
+           "theoretical_bubble", "check_batch_splits"]
 
 # Names accepted by `pp_schedule` (case-insensitive) -> name for torch.distributed.pipelining.get_schedule_class.
 PP_SCHEDULES = {
@@ -85,3 +85,13 @@ def theoretical_bubble(schedule: str, pp: int, microbatches: int, virtual_stages
         return 0.0
     bubble = (pp - 1) / (microbatches + pp - 1)
     return bubble / virtual_stages if schedule in LOOPED + V_SHAPED else bubble
+
+
+def check_batch_splits(per_rank_batch: int, microbatches: int) -> None:
+    """Raise ``ValueError`` unless the per-rank batch splits evenly into ``microbatches`` (else a shape error deep
+    inside the schedule)."""
+    if per_rank_batch % microbatches:
+        raise ValueError(
+            f"the per-rank batch of {per_rank_batch} sequences does not split into microbatches={microbatches}; "
+            f"use a batch size that is a multiple of {microbatches} or change microbatches"
+        )

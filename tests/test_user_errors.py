@@ -1,0 +1,125 @@
+"""A user's mistake on the command line ends with one line naming the bad value, printed once, no traceback.
+
+Each invocation runs the real ``lightning-hybrid`` command in a fresh process, as a user would. The time each
+took is printed (``-s``) for the record, never asserted: the machine is shared and noisy.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from helpers.launch import TESTS
+
+ROOT = TESTS.parent
+TINY = ROOT / "recipes" / "tiny-cpu.yaml"
+FIT = ["fit", "--config", str(TINY), "--trainer.max_steps", "1", "--trainer.logger", "false"]
+
+pytestmark = pytest.mark.timeout(600)
+
+
+def _bad_yaml(tmp: Path) -> Path:
+    path = tmp / "broken.yaml"
+    path.write_text("trainer:\n  devices: 4\n  strategy: [tp: 2\nmodel:\n  model: tiny\n")
+    return path
+
+
+# (id, arguments, text the last line must contain)
+CASES = [
+    ("tp_negative", FIT + ["--trainer.strategy.init_args.tp", "-2"], "tp=-2 must be a positive integer"),
+    ("unknown_schedule", FIT + ["--trainer.strategy.init_args.pp_schedule", "foo"],
+     "pp_schedule='foo' is not supported; use one of gpipe, 1f1b"),
+    ("unknown_data_parallel", FIT + ["--trainer.strategy.init_args.data_parallel", "foo"],
+     "data_parallel='foo' is not supported; use one of fsdp, replicate"),
+    ("microbatches_vs_batch", FIT + ["--trainer.strategy.init_args.tp", "1", "--trainer.strategy.init_args.pp", "2",
+                                     "--trainer.strategy.init_args.microbatches", "3"],
+     "the per-rank batch of 8 sequences does not split into microbatches=3"),
+    ("negative_batch", FIT + ["--data.init_args.batch_size", "-4"], "batch_size=-4 must be a positive integer"),
+    ("more_stages_than_blocks", FIT + ["--trainer.strategy.init_args.tp", "1", "--trainer.strategy.init_args.pp", "4",
+                                       "--trainer.strategy.init_args.pp_schedule", "interleaved_1f1b",
+                                       "--trainer.strategy.init_args.virtual_stages", "2"],
+     "8 pipeline stages but the model has only 4 blocks; use at most 4 stages"),
+    ("unknown_preset", FIT + ["--model.model", "tiny-xx"], "unknown model 'tiny-xx'; use a preset (tiny,"),
+    ("devices_do_not_divide", FIT + ["--trainer.devices", "3"], "world size 3 is not divisible by tp*pp=2*1=2"),
+    ("tp_does_not_divide_heads", FIT + ["--trainer.strategy.init_args.tp", "4", "--trainer.devices", "4"],
+     "tp=4 does not divide num_key_value_heads=2; use tp in 1 or 2"),
+    ("yaml_syntax", ["fit", "--config", "{bad_yaml}"],
+     "broken.yaml: YAML syntax error at line 4, column 6: expected ',' or ']'"),
+    ("missing_config", ["fit", "--config", "no/such.yaml"], "--config no/such.yaml: no such file"),
+    ("unknown_subcommand", ["train"], "unknown subcommand; use one of fit, validate, test, predict, plan"),
+    ("plan_nothing_fits", ["plan", "--model", "qwen2.5-72b", "--gpus", "8", "--gpus-per-node", "8", "--gpu", "h100"],
+     "nothing fits"),
+    ("prepare_data_missing_input", ["prepare-data", "--tokenizer", "no/such/tokenizer", "--input", "no/such.jsonl",
+                                    "--output", "{tmp}/out", "--seq-len", "16"], "no/such.jsonl"),
+]
+
+
+@pytest.mark.parametrize("args,expected", [c[1:] for c in CASES], ids=[c[0] for c in CASES])
+def test_a_user_error_ends_with_one_line_naming_the_value(args, expected, tmp_path):
+    args = [a.replace("{bad_yaml}", str(_bad_yaml(tmp_path))).replace("{tmp}", str(tmp_path)) for a in args]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    env.pop("LIGHTNING_HYBRID_DEBUG", None)
+    start = time.perf_counter()
+    result = subprocess.run([sys.executable, "-m", "lightning_hybrid.cli", *args], cwd=tmp_path, env=env,
+                            capture_output=True, text=True, timeout=300)
+    seconds = time.perf_counter() - start
+    output = (result.stdout + result.stderr).strip()
+    last = result.stderr.strip().splitlines()[-1] if result.stderr.strip() else ""
+    print(f"\n{' '.join(args[:1])} ... -> exit {result.returncode} in {seconds:.1f} s: {last}")
+    assert result.returncode != 0, output[-2000:]
+    assert expected in last, output[-3000:]
+    assert "Traceback" not in output, output[-3000:]
+    assert output.count(expected) == 1, output[-3000:]  # printed once
+
+
+def test_the_debug_switch_shows_the_traceback(tmp_path):
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "LIGHTNING_HYBRID_DEBUG": "1"}
+    result = subprocess.run([sys.executable, "-m", "lightning_hybrid.cli", *FIT, "--model.model", "tiny-xx"],
+                            cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+    assert result.returncode != 0 and "Traceback" in result.stderr and "tiny-xx" in result.stderr
+
+
+def test_only_global_rank_zero_prints_a_user_error(monkeypatch, capsys):
+    from lightning_hybrid import cli
+
+    for rank, printed in (("0", True), ("3", False)):
+        monkeypatch.setenv("RANK", rank)
+        assert cli.main(["fit", "--config", "no/such.yaml"]) == cli.EXIT_USER_ERROR
+        assert ("no/such.yaml: no such file" in capsys.readouterr().err) is printed
+
+
+def test_a_checkpoint_of_another_model_in_the_folder_is_refused_in_one_line_naming_the_ways_out(tmp_path):
+    # A committed checkpoint written by a wider model (intermediate_size 352 vs the recipe's 176): auto-resume finds
+    # it, every rank refuses it before loading a tensor, and rank 0 alone prints why and what to do.
+    import json
+
+    from lightning_hybrid.models import Qwen2Config
+
+    folder = tmp_path / "ckpt" / "step-000002"
+    folder.mkdir(parents=True)
+    other = {**Qwen2Config.from_preset("tiny").to_dict(), "intermediate_size": 352}
+    (folder / "meta.json").write_text(json.dumps({"step": 2, "epoch": 0, "files": {}, "model_config": other,
+                                                  "mesh": {"tp": 2, "pp": 1, "dp": 2, "world_size": 4}}))
+    extra = tmp_path / "checkpoints.yaml"
+    extra.write_text("trainer:\n  callbacks:\n"
+                     "    - class_path: lightning_hybrid.callbacks.ThroughputMonitor\n"
+                     "    - class_path: lightning_hybrid.FaultTolerantCheckpoint\n"
+                     f"      init_args:\n        dirpath: {tmp_path / 'ckpt'}\n        every_n_steps: 1\n")
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    env.pop("LIGHTNING_HYBRID_DEBUG", None)
+    start = time.perf_counter()
+    result = subprocess.run([sys.executable, "-m", "lightning_hybrid.cli", *FIT, "--config", str(extra)],
+                            cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+    output = (result.stdout + result.stderr).strip()
+    last = result.stderr.strip().splitlines()[-1]
+    print(f"\nanother model's checkpoint -> exit {result.returncode} in {time.perf_counter() - start:.1f} s: {last}")
+    assert result.returncode != 0 and "Traceback" not in output, output[-3000:]
+    assert f"checkpoint {folder} is of another model" in last, output[-3000:]
+    assert "intermediate_size: checkpoint 352 vs model 176" in last
+    assert "another checkpoint folder (FaultTolerantCheckpoint dirpath)" in last and "away" in last
+    assert output.count("is of another model") == 1
