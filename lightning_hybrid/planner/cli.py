@@ -18,11 +18,12 @@ from lightning_hybrid.planner.interval import (
 )
 from lightning_hybrid.planner.memory import OPTIMIZERS, PRECISIONS
 from lightning_hybrid.planner.search import Estimate, Problem, explain, search
-from lightning_hybrid.planner.step_time import Hardware
+from lightning_hybrid.planner.step_time import GEMM_PEAK_EFFICIENCY, Hardware
 
-__all__ = ["build_parser", "build_problem", "run_plan", "assumptions"]
+__all__ = ["build_parser", "build_problem", "run_plan", "assumptions", "explain_time", "format_table"]
 
 DEFAULT_BATCH_TOKENS = 4 * 1024 * 1024
+EXPLAIN_BEST = "best"  # `--explain` without a value: the chosen (fastest fitting) layout
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -45,7 +46,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--peak-tflops", type=float, help="dense bf16 peak TFLOP/s per GPU (overrides the GPU type)")
     p.add_argument("--intra-node-gbps", type=float, help="NVLink bandwidth per direction per GPU, GB/s (bytes)")
     p.add_argument("--inter-node-gbps", type=float, help="network bandwidth per GPU between nodes, Gb/s (bits)")
-    p.add_argument("--compute-efficiency", type=float, default=0.75, help="fraction of peak large matmuls reach")
+    p.add_argument("--compute-efficiency", type=float, default=GEMM_PEAK_EFFICIENCY,
+                   help=f"fraction of peak large matmuls reach ({GEMM_PEAK_EFFICIENCY}, fitted on published runs)")
     p.add_argument("--link-efficiency", type=float, default=0.8, help="collective bus bandwidth / link bandwidth")
     p.add_argument("--mtbf-hours", type=float,
                    help=f"job MTBF in hours (default {DEFAULT_GPU_MTBF_HOURS:.0f} GPU-hours / gpus)")
@@ -54,8 +56,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--restart-seconds", type=float, default=DEFAULT_RESTART_SECONDS,
                    help="time to restart and reload after a failure (600)")
     p.add_argument("--top", type=int, default=10, help="rows of the table (10)")
-    p.add_argument("--explain", action="append", default=[], metavar="TP,PP,MODE",
-                   help="also explain a mesh, e.g. 8,1,replicate (repeatable)")
+    p.add_argument("--explain", action="append", default=[], metavar="TP,PP,MODE", nargs="?", const=EXPLAIN_BEST,
+                   help="without a value: how the chosen layout's step time splits (compute, exposed TP and DP, "
+                        "bubble, recompute, GEMM efficiency); with one, e.g. 8,1,replicate: also why that mesh fits "
+                        "or not and the split of its fastest variant (repeatable)")
     p.add_argument("--json", action="store_true", help="print one JSON document instead of the table")
     return p
 
@@ -98,8 +102,10 @@ def assumptions(p: Problem) -> list[str]:
         f"precision {prec.name}: weights {prec.param} B, gradients {prec.grad} B, {states} {p.optimizer} states x "
         f"{prec.state} B per parameter (+4 B step per tensor); matmul activations {prec.compute} B, residual stream "
         f"{prec.residual} B; autocast keeps {prec.autocast_copy} B/parameter low-precision weight copies for backward",
-        "sharding as the strategy applies it: TP colwise q/k/v/gate/up (and q/k/v biases) on dim 0, rowwise o/down on "
-        "dim 1, embedding and head over the vocabulary; FSDP2 splits every TP-local tensor on dim 0 (torch.chunk)",
+        "sharding as the strategy applies it: TP colwise q/k/v/gate/up"
+        f"{' (and q/k/v biases)' * p.config.attention_bias} on dim 0, rowwise o/down on dim 1, embedding and head "
+        "over the vocabulary; FSDP2 splits every TP-local "
+        "tensor on dim 0 (torch.chunk)",
         "pipeline stages hold contiguous blocks balanced by the model's declared costs; rank r holds stages "
         "r, r+pp, ...; in-flight micro-batches: 1F1B min(m, pp-r), interleaved per torch's warm-up",
         "FSDP under a pipeline keeps the stage's parameters and gradients unsharded through the step (torch's "
@@ -107,14 +113,21 @@ def assumptions(p: Problem) -> list[str]:
         "stays gathered",
         "activations: Korthikanti et al. 2022 counted per saved tensor for this model: flash-style attention (no s x s "
         "scores), GQA k/v repeated to all heads, SwiGLU, fp32 RMSNorm; sequence parallel shards the norms only",
-        "recompute: selective keeps block input + matmul/attention outputs (+3% time); full keeps the block input "
-        "(+1/3 FLOPs); a block's backward working set and the fp32 loss are added as transients",
-        f"compute: FLOPs/token 6N + 12 L h s at {hw.compute_efficiency:g} of peak, less for small matmuls "
-        "(x/(x+128), x the smallest of tokens per micro-batch, hidden/tp, intermediate/tp)",
+        "recompute memory: selective keeps block input + matmul/attention outputs; full keeps the block input; a "
+        "block's backward working set and the fp32 loss are added as transients",
+        f"compute: each GEMM (q, k, v, o, gate, up, down, head at its TP-local shape) at {hw.compute_efficiency:g} "
+        f"of peak x d/(d + {p.time_model.gemm_knee:g}), d its smallest dimension; attention 12 L hq s FLOPs at "
+        f"{p.time_model.attention_efficiency:g} of peak; elementwise ops (norms, rotary, SiLU, residual adds, casts, "
+        f"the loss) by the bytes they move at {p.time_model.hbm_efficiency:g} x HBM bandwidth, "
+        f"{'fused' if p.runtime.fused_elementwise else 'one kernel per op (eager, no torch.compile)'}; constants "
+        "fitted on published Llama 3 / torchtitan / Megatron-Core runs (benchmarks/planner_published.py)",
         f"communication: nccl-tests bus bandwidth = {hw.link_efficiency:g} x link; "
         f"latency {hw.intra_latency_s * 1e6:g} us "
-        f"in a node, {hw.inter_latency_s * 1e6:g} us across; TP comm not overlapped; replicate all-reduces gradients "
-        "once per step after backward; FSDP per micro-batch (no pipeline) overlaps with compute",
+        f"in a node, {hw.inter_latency_s * 1e6:g} us across; TP comm in the critical path (torch's TP), the logits "
+        "gathered for the loss; replicate all-reduces gradients once per step after backward; FSDP per micro-batch "
+        "(no pipeline) overlaps with compute, under a pipeline once per step, exposed",
+        "recompute: selective reruns the elementwise forward (no matmul, no collective); full reruns the whole "
+        "forward (+1/3 of GEMM and attention time, and the forward TP collectives)",
         "pipeline bubble (pp-1)/v micro-batch times of the slowest stage plus warm-up/cool-down point-to-point",
         f"global batch {p.global_batch} sequences x {p.seq_len} tokens; MFU uses 6N + 12 L h s model FLOPs",
     ]
@@ -135,7 +148,8 @@ def format_table(rows: list[Estimate]) -> str:
     """The ranked table: layout, memory breakdown (GB), step time breakdown (s), MFU, tokens/s."""
     head = (f"{'#':>3} {'tp':>2} {'pp':>3} {'dp':>3} {'dp-mode':<9} {'mbs':>3} {'m':>4} {'schedule':<13} "
             f"{'recomp':<9} {'sp':<2} | {'wts':>5} {'grad':>5} {'opt':>5} {'act':>6} {'other':>5} {'total':>6} "
-            f"/{'usable':>6} | {'step':>6} {'comp':>6} {'tp':>6} {'bubble':>6} {'dp':>6} | {'MFU':>5} {'tok/s':>8}")
+            f"/{'usable':>6} | {'step':>6} {'comp':>6} {'recomp':>6} {'tp':>6} {'bubble':>6} {'dp':>6} | {'MFU':>5} "
+            f"{'tok/s':>8}")
     lines = [head, "-" * len(head)]
     for i, e in enumerate(rows, 1):
         L, m, t = e.layout, e.memory, e.time
@@ -147,9 +161,31 @@ def format_table(rows: list[Estimate]) -> str:
             f"{L.micro_batch_size:>3} {L.microbatches:>4} {sched:<13} {L.recompute:<9} "
             f"{('y' if L.sequence_parallel else 'n'):<2} | {_gb(m['weights']):>5} {_gb(m['gradients']):>5} "
             f"{_gb(m['optimizer']):>5} {_gb(m['activations']):>6} {_gb(other):>5} {_gb(m['total']):>6} "
-            f"/{_gb(e.usable):>6} | {t['step']:>6.2f} {t['compute']:>6.2f} {t['tp_comm']:>6.2f} "
-            f"{t['pp_bubble']:>6.2f} {t['dp_comm'] + t['optimizer']:>6.2f} | {e.mfu:>5.1%} {e.tokens_per_second:>8.0f}")
+            f"/{_gb(e.usable):>6} | {t['step']:>6.2f} {t['compute']:>6.2f} {t['recompute']:>6.2f} "
+            f"{t['tp_comm']:>6.2f} {t['pp_bubble']:>6.2f} {t['dp_comm'] + t['optimizer']:>6.2f} | {e.mfu:>5.1%} "
+            f"{e.tokens_per_second:>8.0f}")
     return "\n".join(lines)
+
+
+def explain_time(e: Estimate) -> list[str]:
+    """How a layout's step time splits: compute (GEMMs with their efficiency, attention, elementwise ops), exposed
+    TP, exposed DP, pipeline bubble, recompute and the optimizer step, one line each."""
+    t, d = e.time, e.detail
+    step = t["step"]
+    effs = ", ".join(f"{name} {eff:.2f}" for name, eff in d["gemm_efficiencies"].items())
+    shape = d["gemm_shapes"]
+    rows = [("compute", t["compute"], f"GEMMs {d['gemm']:.2f} s at {d['gemm_efficiency']:.2f} of peak "
+             f"(FLOP-weighted; per GEMM {effs}; tokens x in x out e.g. q {' x '.join(map(str, shape['q']))}), "
+             f"attention {d['attention']:.2f} s, elementwise ops {d['elementwise']:.2f} s"),
+            ("exposed TP", t["tp_comm"], "activation all-reduces (or SP reduce-scatter + all-gather) in the "
+             "critical path, 4 per block and micro-batch"),
+            ("exposed DP", t["dp_comm"], "gradient all-reduce / FSDP gathers and reduce-scatters not hidden"),
+            ("bubble", t["pp_bubble"], "pipeline warm-up and cool-down, with their point-to-point transfers"),
+            ("recompute", t["recompute"], "the forward re-run in backward"),
+            ("optimizer", t["optimizer"], "AdamW step at HBM bandwidth")]
+    lines = [f"step time of {e.layout.describe()}: {step:.2f} s, MFU {e.mfu:.1%}, {e.tokens_per_second:,.0f} tokens/s"]
+    lines += [f"  {name:<11} {sec:>7.2f} s {sec / step:>6.1%}  {why}" for name, sec, why in rows]
+    return lines
 
 
 def _nothing_fits(p: Problem, infeasible: list[Estimate]) -> str:
@@ -173,7 +209,7 @@ def run_plan(argv: Optional[list[str]] = None) -> int:
     args = parser.parse_args(argv)
     try:
         p = build_problem(args)
-        explain_meshes = [_parse_mesh(s) for s in args.explain]
+        explain_meshes = [_parse_mesh(s) for s in args.explain if s != EXPLAIN_BEST]
     except ValueError as err:
         print(f"lightning-hybrid plan: error: {err}", file=sys.stderr)
         return 2
@@ -183,6 +219,7 @@ def run_plan(argv: Optional[list[str]] = None) -> int:
                   and p.config.num_attention_heads % t == 0), default=1)
     baseline = explain(p, tp_max, 1, "replicate")
     explanations = [baseline] + [explain(p, *mesh) for mesh in explain_meshes]
+    timed = _explained_estimates(EXPLAIN_BEST in args.explain, feasible, explain_meshes)
     message = "" if feasible else _nothing_fits(p, infeasible)
     checkpoint = None
     if feasible:
@@ -195,15 +232,38 @@ def run_plan(argv: Optional[list[str]] = None) -> int:
                "optimizer": p.optimizer, "assumptions": assumptions(p),
                "layouts": [e.to_dict() for e in feasible], "feasible_count": len(feasible),
                "infeasible": [e.to_dict() for e in infeasible], "explanations": explanations,
+               "step_time_explained": [dict(e.to_dict(), lines=explain_time(e)) for e in timed],
                "checkpoint": checkpoint, "message": message or None}
         print(json.dumps(doc, indent=1))
         return 0 if feasible else 1
+    _print_report(p, args.top, feasible, infeasible, explanations, timed, checkpoint)
+    if not feasible:  # the reason and the fix come last, where a user looks first
+        print(message, file=sys.stderr, flush=True)
+    return 0 if feasible else 1
+
+
+def _explained_estimates(best: bool, feasible: list[Estimate], meshes: list[tuple[int, int, str]]) -> list[Estimate]:
+    """The layouts whose step time ``--explain`` splits: the chosen one, and the fastest variant of each mesh."""
+    out = [feasible[0]] if best and feasible else []
+    for tp, pp, mode in meshes:
+        match = [e for e in feasible if (e.layout.tp, e.layout.pp) == (tp, pp)
+                 and (e.layout.data_parallel == mode or e.layout.dp == 1)]
+        out += match[:1]  # feasible is sorted by step time
+    return out
+
+
+def _print_report(p: Problem, top: int, feasible: list[Estimate], infeasible: list[Estimate], explanations: list[dict],
+                  timed: list[Estimate], checkpoint: Optional[dict]) -> None:
+    """The text report: table, step-time splits asked for, why not simpler layouts, checkpoint interval, assumptions."""
     print(f"plan: {p.config.name} ({p.config.num_parameters() / 1e9:.2f}B parameters), {p.hw.gpus} x {p.hw.gpu.name} "
-          f"({gpn} per node), seq {p.seq_len}, global batch {p.global_batch}, {p.precision}, {p.optimizer}")
+          f"({p.hw.gpus_per_node} per node), seq {p.seq_len}, global batch {p.global_batch}, {p.precision}, "
+          f"{p.optimizer}")
     if feasible:
-        print(f"\n{len(feasible)} layouts fit; the fastest {min(args.top, len(feasible))} "
+        print(f"\n{len(feasible)} layouts fit; the fastest {min(top, len(feasible))} "
               "(memory in GB on the fullest rank, time in s per optimizer step):")
-        print(format_table(feasible[: args.top]))
+        print(format_table(feasible[:top]))
+    for e in timed:
+        print("\n" + "\n".join(explain_time(e)))
     print("\nwhy not simpler layouts:")
     for ex in explanations:
         print("  " + ex["text"])
@@ -218,9 +278,6 @@ def run_plan(argv: Optional[list[str]] = None) -> int:
     print("\nassumptions:")
     for line in assumptions(p):
         print("  - " + line)
-    if not feasible:  # the reason and the fix come last, where a user looks first
-        print(message, file=sys.stderr, flush=True)
-    return 0 if feasible else 1
 
 
 def _parse_mesh(text: str) -> tuple[int, int, str]:

@@ -3,8 +3,8 @@
 Parameters, gradients and optimizer states are computed tensor by tensor with the sharding rules the
 strategy applies, so they agree exactly with what a rank allocates:
 
-* tensor parallel (``tp > 1``): q/k/v/gate/up weights and the q/k/v biases are split on dim 0,
-  o/down weights on dim 1 (the block's tensors and split dims are the model's
+* tensor parallel (``tp > 1``): q/k/v/gate/up weights and the q/k/v biases (when the config has them) are split
+  on dim 0, o/down weights on dim 1 (the block's tensors and split dims are the model's
   :func:`~lightning_hybrid.models.qwen2.config.block_tensor_shapes`), the embedding and the LM head over
   the vocabulary (dim 0); norms are replicated. DTensor splits with ``torch.chunk`` semantics
   (``ceil(n / tp)`` per rank, the last ranks may get fewer).

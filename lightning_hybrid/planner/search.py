@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import functools
 import math
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, astuple, dataclass, field
 from typing import Iterator, Optional
 
 from lightning_hybrid.distributed.data_parallel import GRADIENT_BUCKET_BYTES
@@ -32,22 +32,29 @@ from lightning_hybrid.planner.memory import (
     rank_stages,
     split_blocks,
 )
-from lightning_hybrid.planner.step_time import Hardware, collective_seconds
+from lightning_hybrid.planner.step_time import (
+    AUTOCAST_WEIGHT_CAST_BYTES,
+    ELEMENTWISE_BACKWARD,
+    SELECTIVE_POLICIES,
+    Hardware,
+    Runtime,
+    TimeModel,
+    block_gemms,
+    collective_seconds,
+    elementwise_bytes,
+    gemm_efficiency,
+)
 
 __all__ = ["Layout", "Estimate", "estimate", "search", "explain", "rank_memory"]
 
 # (schedule, virtual stages) tried for pp > 1; pp == 1 uses ("none", 1).
 PIPELINE_SCHEDULES = (("1f1b", 1), ("interleaved_1f1b", 2), ("interleaved_1f1b", 4))
 MICRO_BATCH_SIZES = (1, 2, 4, 8, 16)
-SELECTIVE_OVERHEAD = 1.03  # recomputing norms, rotary and SiLU costs ~3% of a block's time
-FULL_RECOMPUTE_FLOPS = 4 / 3  # full recompute runs the forward (2 of the 6 FLOPs per weight) twice: 8/6
-# A matmul whose smallest dimension is x reaches x / (x + SMALL_MATMUL_KNEE) of the large-matmul efficiency
-# (half of it at x = 128): small matmuls cannot keep the GPU busy.
-SMALL_MATMUL_KNEE = 128
-# TP all-reduces of the activations per block and micro-batch: attention and MLP outputs forward, their input
-# gradients backward; full recompute repeats the two forward ones.
+# TP collectives of the activations per block and micro-batch, in all-reduces (a reduce-scatter + all-gather pair
+# of sequence parallelism moves the same bus bytes): attention and MLP outputs forward, their input gradients
+# backward. Full recompute repeats the two forward ones (counted as recompute).
 TP_ALL_REDUCES_PER_BLOCK = 4
-TP_ALL_REDUCES_PER_BLOCK_FULL_RECOMPUTE = 6
+TP_ALL_REDUCES_FORWARD = 2
 FSDP_BLOCKS_IN_FLIGHT = 2  # without a pipeline, the running block and the prefetched one are gathered
 P2P_PER_BOUNDARY = 2  # warm-up sends activations forward, cool-down sends their gradients back
 # Memory passes of one AdamW step per parameter element: the parameter is read and written, the gradient
@@ -55,6 +62,12 @@ P2P_PER_BOUNDARY = 2  # warm-up sends activations forward, cool-down sends their
 OPTIMIZER_PARAM_PASSES = 2
 OPTIMIZER_GRAD_PASSES = 1
 OPTIMIZER_STATE_PASSES = 6
+# Bytes per logit and token of the cross-entropy in fp32, outside the compiled blocks in every stack here: the cast
+# of the bf16 logits (2 + 4), max and exp-sum reads (4 + 4), log-softmax (4 + 4), its gradient (4 + 4), the cast
+# back (4 + 2): about 36.
+LOSS_BYTES_PER_LOGIT = 36
+# Low-precision (bf16) bytes of weights and activations when Runtime.low_precision_params is set.
+LOW_PRECISION_BYTES = 2
 
 
 @dataclass(frozen=True)
@@ -95,6 +108,7 @@ class Estimate:
     worst_stage: int
     reason: str = ""
     checkpoint_bytes: float = 0.0
+    detail: dict = field(default_factory=dict)
 
     @property
     def fits(self) -> bool:
@@ -106,12 +120,12 @@ class Estimate:
         return {"layout": asdict(self.layout), "fits": self.fits, "reason": self.reason or None,
                 "memory_gb": {k: v / 1e9 for k, v in self.memory.items()}, "usable_gb": self.usable / 1e9,
                 "worst_pp_rank": self.worst_stage, "time_s": self.time, "mfu": self.mfu,
-                "tokens_per_second": self.tokens_per_second}
+                "tokens_per_second": self.tokens_per_second, "time_detail": self.detail}
 
 
 @dataclass(frozen=True)
 class Problem:
-    """What is being planned: model, hardware and training shape."""
+    """What is being planned: model, hardware and training shape, the software's features and the time constants."""
 
     config: Qwen2Config
     hw: Hardware
@@ -120,6 +134,8 @@ class Problem:
     precision: str = "bf16-mixed"
     optimizer: str = "adamw"
     schedules: tuple = field(default=PIPELINE_SCHEDULES)
+    runtime: Runtime = field(default_factory=Runtime)
+    time_model: TimeModel = field(default_factory=TimeModel)
 
 
 def _layout_reason(problem: Problem, tp: int, pp: int, dp: int, virtual_stages: int) -> str:
@@ -174,13 +190,39 @@ class _LayoutShape:
 
 
 @dataclass(frozen=True)
+class _Work:
+    """Seconds of one micro-batch on one pipeline rank, by kind, and the GEMM FLOPs behind ``gemm``."""
+
+    gemm: float = 0.0
+    attention: float = 0.0
+    elementwise: float = 0.0
+    recompute: float = 0.0
+    tp: float = 0.0  # exposed TP collectives of forward and backward
+    gemm_flops: float = 0.0
+
+    def __add__(self, other: "_Work") -> "_Work":
+        return _Work(*(x + y for x, y in zip(astuple(self), astuple(other))))
+
+    def __mul__(self, k: float) -> "_Work":
+        return _Work(*(x * k for x in astuple(self)))
+
+    @property
+    def compute(self) -> float:
+        """The model's own work: GEMMs, attention and elementwise ops, forward and backward."""
+        return self.gemm + self.attention + self.elementwise
+
+    @property
+    def total(self) -> float:
+        return self.compute + self.recompute + self.tp
+
+
+@dataclass(frozen=True)
 class _RankCost:
-    """One pipeline rank: its memory breakdown, rank_memory's figures and its times per micro-batch."""
+    """One pipeline rank: its memory breakdown, rank_memory's figures and its work per micro-batch."""
 
     memory: dict[str, float]
     state: dict[str, int]
-    compute_seconds: float
-    tp_seconds: float
+    work: _Work
 
 
 def _layout_shape(problem: Problem, layout: Layout) -> _LayoutShape:
@@ -250,72 +292,116 @@ def _rank_memory_breakdown(problem: Problem, layout: Layout, shape: _LayoutShape
     return memory, state
 
 
-def _matmul_efficiency(problem: Problem, layout: Layout, tokens: int) -> float:
-    """Fraction of peak the layout's matmuls reach: less when tokens or TP-local widths are small."""
-    config = problem.config
-    size = min(tokens, config.hidden_size // layout.tp, config.intermediate_size // layout.tp)
-    return problem.hw.compute_efficiency * size / (size + SMALL_MATMUL_KNEE)
+def _activation_bytes(problem: Problem) -> tuple[int, int]:
+    """(matmul activation bytes, residual stream bytes): the precision's, or bf16 throughout with bf16 weights."""
+    prec = PRECISIONS[problem.precision]
+    if problem.runtime.low_precision_params and prec.residual > prec.compute:
+        return prec.compute, LOW_PRECISION_BYTES
+    return prec.compute, prec.residual
 
 
-def _rank_compute_seconds(problem: Problem, layout: Layout, shape: _LayoutShape, pp_rank: int) -> float:
-    """Matmul time of one micro-batch on a pipeline rank (its blocks, and the head on the last stage)."""
-    config = problem.config
-    # whole FLOP counts (flops_per_token's floats are integers) keep the products below exact
-    body_flops = int(flops_per_token(config, problem.seq_len, include_head=False))
-    block_flops: float = body_flops // config.num_hidden_layers
-    if layout.recompute == "full":
-        block_flops *= FULL_RECOMPUTE_FLOPS
-    head_flops = int(flops_per_token(config, problem.seq_len)) - body_flops
-    flops = sum(shape.stage_blocks[s] * block_flops + (head_flops if s == shape.last_stage else 0)
-                for s in shape.rank_stages[pp_rank]) * shape.tokens / layout.tp
-    if layout.recompute == "selective":
-        flops *= SELECTIVE_OVERHEAD
-    peak = problem.hw.peak_flops(problem.precision)
-    return flops / (peak * _matmul_efficiency(problem, layout, shape.tokens))
+def _tp_seconds(problem: Problem, layout: Layout, kind: str, nbytes: float) -> float:
+    """One TP collective, as much of it as stays exposed (all of it unless TP communication is overlapped)."""
+    hw = problem.hw
+    seconds = collective_seconds(kind, nbytes, layout.tp, hw.bus_bandwidth(False), hw.latency(False))
+    return seconds * (problem.time_model.tp_overlap_exposed if problem.runtime.tp_overlap else 1.0)
 
 
-def _rank_tp_seconds(problem: Problem, layout: Layout, shape: _LayoutShape, pp_rank: int) -> float:
-    """TP collective time of one micro-batch on a pipeline rank (not overlapped with compute)."""
-    if layout.tp == 1:
-        return 0.0
-    hw, prec, config, tokens = problem.hw, shape.precision, problem.config, shape.tokens
-    tp_collective = functools.partial(collective_seconds, ranks=layout.tp, bus_bandwidth=hw.bus_bandwidth(False),
-                                      latency=hw.latency(False))
-    reduces = TP_ALL_REDUCES_PER_BLOCK_FULL_RECOMPUTE if layout.recompute == "full" else TP_ALL_REDUCES_PER_BLOCK
-    per_block = reduces * tp_collective("all_reduce", tokens * config.hidden_size * prec.compute)
+def _gemm_seconds(problem: Problem, tokens: int, k: int, n: int) -> float:
+    """Forward and backward of a ``tokens x k`` by ``k x n`` matmul: ``6 tokens k n`` FLOPs at its efficiency."""
+    hw = problem.hw
+    efficiency = gemm_efficiency(hw.compute_efficiency, problem.time_model.gemm_knee, tokens, k, n)
+    return 6 * tokens * k * n / (hw.peak_flops(problem.precision) * efficiency)
+
+
+def _hbm_seconds(problem: Problem, nbytes: float) -> float:
+    return nbytes / (problem.hw.gpu.hbm_tbs * 1e12 * problem.time_model.hbm_efficiency)
+
+
+def _block_work(problem: Problem, layout: Layout, tokens: int) -> _Work:
+    """One block on one TP rank for a micro-batch of ``tokens`` (see :mod:`~lightning_hybrid.planner.step_time`)."""
+    c, rt = problem.config, problem.runtime
+    shapes = block_gemms(c, layout.tp)
+    gemms = {name: _gemm_seconds(problem, tokens, k, n) for name, (k, n) in shapes.items()}
+    attention_flops = 12 * tokens * c.num_attention_heads * c.head_dim / layout.tp * problem.seq_len
+    attention = attention_flops / (problem.hw.peak_flops(problem.precision) * problem.time_model.attention_efficiency)
+    a, r = _activation_bytes(problem)
+    forward_bytes = elementwise_bytes(c, layout.tp, layout.sequence_parallel, a, r, rt) * tokens
+    if r > a:  # autocast casts the block's fp32 matmul weights once per forward
+        forward_bytes += AUTOCAST_WEIGHT_CAST_BYTES * sum(k * n for k, n in shapes.values())
+    elementwise = _hbm_seconds(problem, forward_bytes)
+    one = _tp_seconds(problem, layout, "all_reduce", tokens * c.hidden_size * a) if layout.tp > 1 else 0.0
+    recompute = 0.0
+    if layout.recompute == "full":  # the whole forward again: a third of the GEMMs and of attention
+        recompute = (sum(gemms.values()) + attention) / 3 + elementwise + TP_ALL_REDUCES_FORWARD * one
+    elif layout.recompute == "selective":
+        policy = SELECTIVE_POLICIES[rt.selective]
+        gathers = policy.tp_all_gathers / 2 * one if layout.sequence_parallel else 0.0
+        recompute = sum(gemms[name] for name in policy.matmuls) / 3 + elementwise + gathers
+    return _Work(gemm=sum(gemms.values()), attention=attention, elementwise=elementwise * (1 + ELEMENTWISE_BACKWARD),
+                 recompute=recompute, tp=TP_ALL_REDUCES_PER_BLOCK * one,
+                 gemm_flops=sum(6 * tokens * k * n for k, n in shapes.values()))
+
+
+def _head_work(problem: Problem, layout: Layout, tokens: int) -> _Work:
+    """Final norm, LM head and loss on the last stage: the head GEMM, the loss's fp32 passes, its TP collectives."""
+    c, rt = problem.config, problem.runtime
+    a, _ = _activation_bytes(problem)
+    vocab = -(-c.vocab_size // layout.tp)
+    loss_vocab = vocab if rt.loss_parallel else c.vocab_size
+    per_logit = LOSS_BYTES_PER_LOGIT
+    tp = 0.0
+    if layout.tp > 1:  # the head input's gradient; this project also gathers the logits to every TP rank
+        tp = _tp_seconds(problem, layout, "all_reduce", tokens * c.hidden_size * a)
+        if not rt.loss_parallel:
+            tp += _tp_seconds(problem, layout, "all_gather", tokens * c.vocab_size * a)
+    return _Work(gemm=_gemm_seconds(problem, tokens, c.hidden_size, vocab),
+                 elementwise=_hbm_seconds(problem, tokens * loss_vocab * per_logit), tp=tp,
+                 gemm_flops=6 * tokens * c.hidden_size * vocab)
+
+
+def _rank_work(problem: Problem, layout: Layout, shape: _LayoutShape, pp_rank: int) -> _Work:
+    """One micro-batch on a pipeline rank: its blocks, the embedding on the first stage, the head on the last."""
     stages = shape.rank_stages[pp_rank]
-    seconds = sum(shape.stage_blocks[s] for s in stages) * per_block
-    if 0 in stages:  # the vocabulary-parallel embedding's output
-        seconds += tp_collective("all_reduce", tokens * config.hidden_size * prec.residual)
-    if shape.last_stage in stages:  # the gathered logits, and the head input's gradient
-        seconds += tp_collective("all_gather", tokens * config.vocab_size * prec.compute)
-        seconds += tp_collective("all_reduce", tokens * config.hidden_size * prec.compute)
-    return seconds
+    work = _block_work(problem, layout, shape.tokens) * sum(shape.stage_blocks[s] for s in stages)
+    if 0 in stages and layout.tp > 1:  # the vocabulary-parallel embedding's output
+        residual = _activation_bytes(problem)[1]
+        nbytes = shape.tokens * problem.config.hidden_size * residual
+        work = work + _Work(tp=_tp_seconds(problem, layout, "all_reduce", nbytes))
+    if shape.last_stage in stages:
+        work = work + _head_work(problem, layout, shape.tokens)
+    return work
 
 
 def _rank_cost(problem: Problem, layout: Layout, shape: _LayoutShape, pp_rank: int) -> _RankCost:
     memory, state = _rank_memory_breakdown(problem, layout, shape, pp_rank)
-    return _RankCost(memory, state, _rank_compute_seconds(problem, layout, shape, pp_rank),
-                     _rank_tp_seconds(problem, layout, shape, pp_rank))
+    return _RankCost(memory, state, _rank_work(problem, layout, shape, pp_rank))
 
 
 def _data_parallel_seconds(problem: Problem, layout: Layout, shape: _LayoutShape, slowest: _RankCost) -> float:
     """Exposed DP communication per step (see :mod:`lightning_hybrid.planner.step_time`)."""
     if layout.dp == 1:
         return 0.0
-    hw, prec, state = problem.hw, shape.precision, slowest.state
+    hw, prec, state, rt = problem.hw, shape.precision, slowest.state, problem.runtime
     inter_node = _spans_nodes([d * layout.tp for d in range(layout.dp)], hw.gpus_per_node)
     dp_collective = functools.partial(collective_seconds, ranks=layout.dp, bus_bandwidth=hw.bus_bandwidth(inter_node),
                                       latency=hw.latency(inter_node))
+    param_bytes = min(prec.param, LOW_PRECISION_BYTES) if rt.low_precision_params else prec.param
+    # what overlapped per-step collectives hide behind: the last micro-batch and the rank's idle pipeline drain
+    window = slowest.work.total * (1 + (layout.pp - 1) / layout.virtual_stages)
     if not shape.fsdp:
+        if rt.dp_overlap:  # distributed optimizer: reduce-scatter the gradients, all-gather the parameters
+            comm = (dp_collective("reduce_scatter", state["grad_numel"] * prec.grad)
+                    + dp_collective("all_gather", state["param_numel"] * param_bytes))
+            return max(0.0, comm - window)
         return dp_collective("all_reduce", state["grad_numel"] * prec.grad)
-    gather = dp_collective("all_gather", state["stage_param_numel"] * prec.param)
+    gather = dp_collective("all_gather", state["stage_param_numel"] * param_bytes)
     scatter = dp_collective("reduce_scatter", state["stage_param_numel"] * prec.grad)
     if layout.pp > 1:
-        return gather + scatter
+        return max(0.0, gather + scatter - window) if rt.dp_overlap else gather + scatter
     per_microbatch = 2 * gather + scatter  # forward and backward all-gather, one reduce-scatter
-    first_unit = dp_collective("all_gather", _block_numel(problem.config, layout.tp) * prec.param)
-    return layout.microbatches * max(0.0, per_microbatch - slowest.compute_seconds) + first_unit
+    first_unit = dp_collective("all_gather", _block_numel(problem.config, layout.tp) * param_bytes)
+    return layout.microbatches * max(0.0, per_microbatch - slowest.work.total) + first_unit
 
 
 def _pipeline_bubble_seconds(problem: Problem, layout: Layout, shape: _LayoutShape, slowest: _RankCost) -> float:
@@ -326,10 +412,13 @@ def _pipeline_bubble_seconds(problem: Problem, layout: Layout, shape: _LayoutSha
         # the slowest boundary sets the pace
         inter_node = any(i // hw.gpus_per_node != (i + neighbours) // hw.gpus_per_node
                          for i in range((layout.pp - 1) * neighbours))
-        one = collective_seconds("p2p", shape.tokens * problem.config.hidden_size * shape.precision.residual, 2,
+        _, residual = _activation_bytes(problem)
+        one = collective_seconds("p2p", shape.tokens * problem.config.hidden_size * residual, 2,
                                  hw.bus_bandwidth(inter_node), hw.latency(inter_node))
-        p2p = P2P_PER_BOUNDARY * (layout.pp - 1) * layout.virtual_stages * one
-    return (layout.pp - 1) / layout.virtual_stages * (slowest.compute_seconds + slowest.tp_seconds) + p2p
+        # the first micro-batch's activations cross pp - 1 boundaries before the last rank starts (with any v:
+        # its chunks are v times smaller, its ramp as many boundaries), the last gradients as many when draining
+        p2p = P2P_PER_BOUNDARY * (layout.pp - 1) * one
+    return (layout.pp - 1) / layout.virtual_stages * slowest.work.total + p2p
 
 
 def _optimizer_seconds(problem: Problem, shape: _LayoutShape, slowest: _RankCost) -> float:
@@ -340,14 +429,26 @@ def _optimizer_seconds(problem: Problem, shape: _LayoutShape, slowest: _RankCost
     return slowest.state["param_numel"] * passes / (problem.hw.gpu.hbm_tbs * 1e12)
 
 
+def _time_detail(problem: Problem, layout: Layout, shape: _LayoutShape, work: _Work) -> dict:
+    """What the compute time is made of, per step, and the efficiency each GEMM is planned at."""
+    hw, m, tokens = problem.hw, layout.microbatches, shape.tokens
+    c = problem.config
+    shapes = dict(block_gemms(c, layout.tp), head=(c.hidden_size, -(-c.vocab_size // layout.tp)))
+    return {"gemm": m * work.gemm, "attention": m * work.attention, "elementwise": m * work.elementwise,
+            "gemm_efficiency": work.gemm_flops / (hw.peak_flops(problem.precision) * work.gemm) if work.gemm else 0.0,
+            "gemm_shapes": {name: [tokens, k, n] for name, (k, n) in shapes.items()},
+            "gemm_efficiencies": {name: gemm_efficiency(hw.compute_efficiency, problem.time_model.gemm_knee, tokens,
+                                                        k, n) for name, (k, n) in shapes.items()}}
+
+
 def estimate(problem: Problem, layout: Layout) -> Estimate:
     """Memory and step time of ``layout`` for ``problem`` (memory of the fullest pipeline rank)."""
     shape = _layout_shape(problem, layout)
     ranks = [_rank_cost(problem, layout, shape, r) for r in range(layout.pp)]
     fullest = max(range(layout.pp), key=lambda r: ranks[r].memory["total"])
-    slowest = max(ranks, key=lambda rank: rank.compute_seconds + rank.tp_seconds)
-    m = layout.microbatches
-    time = {"compute": m * slowest.compute_seconds, "tp_comm": m * slowest.tp_seconds,
+    slowest = max(ranks, key=lambda rank: rank.work.total)
+    m, work = layout.microbatches, slowest.work
+    time = {"compute": m * work.compute, "recompute": m * work.recompute, "tp_comm": m * work.tp,
             "pp_bubble": _pipeline_bubble_seconds(problem, layout, shape, slowest),
             "dp_comm": _data_parallel_seconds(problem, layout, shape, slowest),
             "optimizer": _optimizer_seconds(problem, shape, slowest)}
@@ -357,7 +458,7 @@ def estimate(problem: Problem, layout: Layout) -> Estimate:
     mfu = model_flops / (time["step"] * problem.hw.gpus * problem.hw.peak_flops(problem.precision))
     checkpoint_bytes = max(rank.state["param_bytes"] + rank.state["optimizer_bytes"] for rank in ranks)
     return Estimate(layout, ranks[fullest].memory, problem.hw.usable_bytes, time, mfu, step_tokens / time["step"],
-                    fullest, checkpoint_bytes=checkpoint_bytes)
+                    fullest, checkpoint_bytes=checkpoint_bytes, detail=_time_detail(problem, layout, shape, work))
 
 
 def candidates(problem: Problem, tp: int, pp: int,

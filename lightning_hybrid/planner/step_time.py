@@ -1,24 +1,32 @@
-"""Cluster figures and the collective-time model of the planner's step-time estimate.
+"""The planner's closed-form step-time model: cluster figures, software features, fitted constants, and its terms.
 
 The GPU figures come from :mod:`lightning_hybrid.hardware`; :class:`Hardware` adds the cluster (GPU count,
-GPUs per node) and the efficiencies the estimate assumes. :func:`lightning_hybrid.planner.search.estimate`
-adds the terms up.
+GPUs per node) and link efficiency, :class:`Runtime` what the training software does that changes time
+(fused kernels, overlapped collectives, the selective recompute policy), and :class:`TimeModel` the constants
+fitted on published runs (``benchmarks/planner_published.py``; ``docs/planner.md`` lists each with its source).
+:func:`lightning_hybrid.planner.search.estimate` adds the terms up. Per micro-batch and pipeline rank:
 
-The step time of a layout is the sum of
-
-* compute: the slowest pipeline stage's FLOPs per micro-batch times the number of micro-batches, at
-  ``peak * efficiency``. FLOPs per token are ``6 N + 12 L h s`` (N the matmul parameters, PaLM/torchtitan
-  convention), ``8 N + 16 L h s`` with full recompute.
-* TP communication: per block and micro-batch, two all-reduces of the activations in forward and two
-  in backward (four reduce-scatter/all-gather pairs with sequence parallel, the same bus traffic), two
-  more forward with full recompute, plus the embedding's all-reduce and the gathered logits. Not
-  overlapped with compute (torch's TP issues them on the compute stream).
-* PP bubble: ``(pp - 1) / virtual_stages`` micro-batch times of the slowest stage, plus the point-to-point
-  transfers of warm-up and cool-down (steady-state transfers overlap with compute).
-* DP communication: ``replicate`` all-reduces the gradients once per step after backward (exposed);
-  FSDP without a pipeline all-gathers in forward and backward and reduce-scatters per micro-batch, with
-  prefetch overlapping that with compute (only the excess is exposed); FSDP under a pipeline keeps the
-  stage unsharded through the step, so one all-gather and one reduce-scatter per step, exposed.
+* GEMMs: every matmul of a block (q, k, v, o, gate, up, down) and the head at its TP-local shape
+  ``tokens x in x out``, forward and backward ``6 x tokens x in x out`` FLOPs, at ``peak x`` :func:`gemm_efficiency`
+  of its smallest dimension: ``e_max x d / (d + knee)``; attention ``12 L hq T`` FLOPs (causal half not
+  subtracted) at ``peak x ATTENTION_EFFICIENCY``.
+* elementwise work (norms, rotary, SiLU, residual adds, casts): bytes moved per token and block
+  (:func:`elementwise_bytes`, counted op by op for this implementation, or once per fused region with
+  ``torch.compile``/fused kernels) at ``HBM bandwidth x HBM_EFFICIENCY``; backward moves
+  ``ELEMENTWISE_BACKWARD`` times the forward's bytes.
+* recompute: full recompute reruns every forward (GEMMs, attention, elementwise, the forward TP collectives);
+  this project's selective ("op") policy reruns the elementwise forward only; torchtitan's "every other
+  matmul" policy also reruns k, o and up.
+* TP: per block, two collectives of the activations forward and two backward (all-reduce, or reduce-scatter +
+  all-gather with sequence parallel: the same bus traffic), in the critical path (torch's TP runs them on the
+  compute stream); with async TP / Megatron's overlap ``TimeModel.tp_overlap_exposed`` of them stays exposed.
+* PP: a bubble of ``(pp - 1) / v`` micro-batch times of the slowest rank, plus the point-to-point transfers of
+  warm-up and cool-down (steady-state transfers overlap with compute).
+* DP: ``replicate`` all-reduces the gradients once per step after backward (exposed); FSDP without a pipeline
+  gathers in forward and backward and reduce-scatters per micro-batch, prefetch hiding it behind compute up to
+  the compute time; FSDP under a pipeline gathers and reduce-scatters once per step, exposed. With
+  ``Runtime.dp_overlap`` (Megatron's overlapped gradient reduce and parameter gather) the per-step collectives
+  hide behind the last micro-batch's compute.
 * the optimizer step, bound by memory bandwidth.
 
 Collective times use nccl-tests' bus bandwidth: ``t = latency + bytes * f / busbw`` with ``f = 2(n-1)/n``
@@ -32,8 +40,139 @@ from dataclasses import dataclass, replace
 from typing import Optional
 
 from lightning_hybrid.hardware import GPU, NETWORK_LATENCY_S, NVLINK_LATENCY_S
+from lightning_hybrid.models.qwen2.config import Qwen2Config
 
-__all__ = ["Hardware", "collective_seconds"]
+__all__ = ["Hardware", "Runtime", "TimeModel", "SELECTIVE_POLICIES", "collective_seconds", "gemm_efficiency",
+           "block_gemms", "elementwise_bytes", "GEMM_PEAK_EFFICIENCY", "GEMM_KNEE", "TP_OVERLAP_EXPOSED",
+           "ATTENTION_EFFICIENCY", "HBM_EFFICIENCY", "ELEMENTWISE_BACKWARD"]
+
+# ----------------------------------------------------------------------------- constants
+# Fitted on the published runs of benchmarks/planner_published.py (least squares on log MFU; the leave-one-out
+# errors are printed there and listed in docs/planner.md). Each is a property of the GPU's matmul kernels or of
+# the overlap machinery, not of one run.
+GEMM_PEAK_EFFICIENCY = 0.652
+"""Fraction of the dense peak a large bf16 GEMM sustains in training (fitted; cuBLAS reaches 0.7-0.8 of the H100
+peak on 8192^3 at 700 W)."""
+GEMM_KNEE = 664.0
+"""A GEMM whose smallest dimension is ``d`` reaches ``d / (d + GEMM_KNEE)`` of :data:`GEMM_PEAK_EFFICIENCY` (fitted):
+tile quantization and too few tiles to fill the SMs make skinny TP-local matmuls slower."""
+TP_OVERLAP_EXPOSED = 0.03
+"""Fraction of the TP collectives still exposed when they are overlapped with the GEMMs (torch async TP,
+Megatron's --tp-comm-overlap; fitted: torchtitan measured async TP 1.09-1.10x faster than vanilla TP)."""
+# Taken from sources, not fitted.
+ATTENTION_EFFICIENCY = 0.6
+"""Fraction of the peak attention reaches on the planner's count ``12 L hq T`` (the causal half not subtracted):
+FlashAttention-2 runs forward + backward at up to 335 TFLOP/s on an H100 counting only the causal half it
+computes (Dao 2023, sec. 4), i.e. 0.6-0.68 of the 989 TFLOP/s peak on the full count."""
+HBM_EFFICIENCY = 0.8
+"""Fraction of the HBM bandwidth elementwise kernels reach (STREAM-like copies reach 0.8-0.9 on H100)."""
+ELEMENTWISE_BACKWARD = 2.0
+"""Backward of an elementwise op moves about twice its forward's bytes: it reads the output gradient and the saved
+inputs and writes the input gradients (unary: 3 tensors vs 2; binary: 5 vs 3), plus the residual gradient adds."""
+AUTOCAST_WEIGHT_CAST_BYTES = 6
+"""Autocast casts each fp32 matmul weight to bf16 once per forward (reads 4 bytes, writes 2)."""
+
+
+@dataclass(frozen=True)
+class SelectivePolicy:
+    """What a selective recompute policy reruns in backward besides the elementwise forward.
+
+    Args:
+        matmuls: block matmuls whose forward runs again.
+        tp_all_gathers: sequence-parallel all-gathers per block that run again (half an all-reduce's traffic each).
+    """
+
+    matmuls: tuple[str, ...] = ()
+    tp_all_gathers: int = 0
+
+
+SELECTIVE_POLICIES = {
+    # this project's "op" policy (distributed/activation_checkpoint.py): matmul, attention and collective outputs
+    # are kept, norms/rotary/SiLU/products/casts rerun.
+    "op": SelectivePolicy(),
+    # torchtitan's op SAC (torchtitan/parallelisms/parallelize_llama.py, _apply_ac_to_transformer_block): keeps
+    # every mm output except every second one (k, o and up in execution order q k v o gate up down); the SP
+    # all-gathers in front of attention and the MLP are not in its save list.
+    "every_other_mm": SelectivePolicy(matmuls=("k", "o", "up"), tp_all_gathers=2),
+}
+
+
+@dataclass(frozen=True)
+class Runtime:
+    """What the training software does that changes the step time (not the memory). Defaults: this project.
+
+    Args:
+        fused_elementwise: norms, rotary, SiLU and residual adds run as fused kernels (``torch.compile`` per block,
+            Transformer Engine/Apex); else one kernel per op, as this project's eager model.
+        low_precision_params: the forward runs on bf16 copies of the weights made once per gather or step (FSDP's
+            ``param_dtype=bf16``, Megatron's bf16 parameters): bf16 residual stream and FSDP all-gathers, no
+            per-op autocast casts. This project under ``bf16-mixed`` uses autocast on fp32 weights instead.
+        tp_overlap: TP collectives overlap with the GEMMs (torch async TP, Megatron ``--tp-comm-overlap``).
+        dp_overlap: the per-step gradient reduce-scatter and parameter all-gather overlap with the last
+            micro-batch (Megatron ``--overlap-grad-reduce --overlap-param-gather``).
+        loss_parallel: the cross-entropy runs on vocabulary shards (torchtitan, Megatron); this project gathers
+            the logits and computes the loss on the full vocabulary on every TP rank.
+        selective: the selective recompute policy, a key of :data:`SELECTIVE_POLICIES`.
+    """
+
+    fused_elementwise: bool = False
+    low_precision_params: bool = False
+    tp_overlap: bool = False
+    dp_overlap: bool = False
+    loss_parallel: bool = False
+    selective: str = "op"
+
+
+@dataclass(frozen=True)
+class TimeModel:
+    """The constants of the time model besides the large-GEMM efficiency (``Hardware.compute_efficiency``)."""
+
+    gemm_knee: float = GEMM_KNEE
+    tp_overlap_exposed: float = TP_OVERLAP_EXPOSED
+    attention_efficiency: float = ATTENTION_EFFICIENCY
+    hbm_efficiency: float = HBM_EFFICIENCY
+
+
+def gemm_efficiency(peak_efficiency: float, knee: float, m: int, k: int, n: int) -> float:
+    """Fraction of peak an ``m x k`` by ``k x n`` GEMM (and its two backward GEMMs) reaches: ``e d / (d + knee)``
+    with ``d`` the smallest dimension and ``e`` the large-GEMM efficiency."""
+    d = min(m, k, n)
+    return peak_efficiency * d / (d + knee)
+
+
+def block_gemms(config: Qwen2Config, tp: int) -> dict[str, tuple[int, int]]:
+    """(in, out) of each matmul of a block on one TP rank: colwise ones split ``out``, rowwise ones ``in``."""
+    h, inter = config.hidden_size, config.intermediate_size
+    q, kv = config.num_attention_heads * config.head_dim, config.num_key_value_heads * config.head_dim
+    q, kv, inter = (-(-n // tp) for n in (q, kv, inter))  # torch.chunk: the first ranks hold ceil(n / tp)
+    return {"q": (h, q), "k": (h, kv), "v": (h, kv), "o": (q, h), "gate": (h, inter), "up": (h, inter),
+            "down": (inter, h)}
+
+
+def elementwise_bytes(config: Qwen2Config, tp: int, sequence_parallel: bool, compute: int, residual: int,
+                      runtime: Runtime) -> float:
+    """Bytes the elementwise ops of one block move per token in forward, on one TP rank.
+
+    Eager (this project's model, op by op, reads + writes): each RMSNorm in fp32 (square, mean, scale, weight:
+    ``20 h`` bytes, plus the casts to and from fp32 when the residual stream is narrower: ``2 (r + 4) h`` and the
+    weight multiply ``2 r h``); autocast's cast of the 5 linear inputs (``5 (r + a) h``); rotary on q and k
+    (negate, concatenate, two products, a sum: ``10 a`` per element); GQA's repeat of k and v to the query heads
+    (``2 a (q + kv)``); the attention output's transpose copy (``2 a q``); two residual adds (``6 r h``); SiLU and
+    the product (``5 a I``). Fused: each region reads its inputs and writes its outputs once: residual add + norm
+    ``2 (r + a) h`` twice, rotary ``2 a (q + kv)`` and the GQA repeat, SiLU-product ``3 a I``. ``h`` terms are
+    divided by ``tp`` under sequence parallel.
+    """
+    a, r = compute, residual
+    h = config.hidden_size / (tp if sequence_parallel and tp > 1 else 1)
+    q = config.num_attention_heads * config.head_dim / tp
+    kv = config.num_key_value_heads * config.head_dim / tp
+    inter = config.intermediate_size / tp
+    gqa = 2 * a * (q + kv) if config.num_attention_heads > config.num_key_value_heads else 0.0
+    if runtime.fused_elementwise:
+        return 4 * (r + a) * h + 2 * a * (q + kv) + gqa + 3 * a * inter
+    norm = 20 * h + 2 * r * h + (2 * (r + 4) * h if r < 4 else 0.0)
+    casts = 5 * (r + a) * h if r > a else 0.0
+    return 2 * norm + casts + 10 * a * (q + kv) + gqa + 2 * a * q + 6 * r * h + 5 * a * inter
 
 
 @dataclass(frozen=True)
@@ -44,7 +183,8 @@ class Hardware:
         gpu: the GPU figures.
         gpus: total GPUs.
         gpus_per_node: GPUs per node (TP stays inside a node).
-        compute_efficiency: fraction of peak that large matmuls reach.
+        compute_efficiency: fraction of peak that large matmuls reach (:data:`GEMM_PEAK_EFFICIENCY`); smaller
+            ones reach less (:func:`gemm_efficiency`).
         link_efficiency: fraction of link bandwidth that collectives reach (busbw / link).
         intra_latency_s, inter_latency_s: fixed cost of one collective inside a node / across nodes.
         reserved_gb: memory the framework takes before the model (CUDA context, NCCL buffers, workspaces).
@@ -54,7 +194,7 @@ class Hardware:
     gpu: GPU
     gpus: int
     gpus_per_node: int
-    compute_efficiency: float = 0.75
+    compute_efficiency: float = GEMM_PEAK_EFFICIENCY
     link_efficiency: float = 0.8
     intra_latency_s: float = NVLINK_LATENCY_S
     inter_latency_s: float = NETWORK_LATENCY_S

@@ -20,7 +20,8 @@ from lightning_hybrid.models.spec import ParallelSpec
 __all__ = ["Qwen2Config", "PRESETS", "BLOCK_TENSORS", "block_tensor_shapes", "block_matmul_params",
            "flops_per_token", "parallel_spec"]
 
-# The tensors of one decoder block (names within ``layers.N.``), in the Hugging Face files' order.
+# The tensors of one decoder block (names within ``layers.N.``), in the Hugging Face files' order; the q/k/v biases
+# exist only with ``attention_bias`` (Qwen2), not in Llama-shaped configs.
 BLOCK_TENSORS = (
     "self_attn.q_proj.weight", "self_attn.q_proj.bias",
     "self_attn.k_proj.weight", "self_attn.k_proj.bias",
@@ -47,6 +48,8 @@ class Qwen2Config:
         rms_norm_eps: epsilon of every RMSNorm.
         tie_word_embeddings: share the input embedding with the LM head.
         initializer_range: standard deviation of the normal initialization of linear and embedding weights.
+        attention_bias: q/k/v projections carry a bias (Qwen2: true; Llama: false, Hugging Face's ``attention_bias``).
+            The output projection and the MLP never have one.
         name: preset name, for messages and checkpoints manifests.
     """
 
@@ -61,6 +64,7 @@ class Qwen2Config:
     rms_norm_eps: float = 1e-6
     tie_word_embeddings: bool = False
     initializer_range: float = 0.02
+    attention_bias: bool = True
     name: str = "custom"
 
     def __post_init__(self) -> None:
@@ -158,6 +162,7 @@ class Qwen2Config:
             raise ValueError(f"{where}: rope scaling type {rope_type!r} is not implemented; only plain RoPE "
                              f"('default') is; remove rope_scaling to train at the native context length")
         fields = dict(values)
+        fields.pop("attention_bias", None)  # Hugging Face's Qwen2 always has q/k/v biases, whatever the file says
         if "rope_theta" in rope:
             fields["rope_theta"] = rope["rope_theta"]
         for key in ("rope_theta", "rms_norm_eps", "initializer_range"):
@@ -167,12 +172,18 @@ class Qwen2Config:
         return cls.from_dict(fields)
 
     def to_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
+        """The fields by name; ``attention_bias`` only when false (Llama-shaped), so Qwen2 configs, checkpoint
+        manifests and exported ``config.json`` files read exactly as before the field existed."""
+        values = dataclasses.asdict(self)
+        if self.attention_bias:
+            del values["attention_bias"]
+        return values
 
     def num_parameters(self, include_embedding: bool = True) -> int:
         """Parameter count computed from the shapes (matches the published safetensors files)."""
         h, kv = self.hidden_size, self.num_key_value_heads * self.head_dim
-        attention = h * h + h + 2 * (h * kv + kv) + h * h  # q (+bias), k and v (+bias), o
+        bias = 1 if self.attention_bias else 0
+        attention = h * h + bias * h + 2 * (h * kv + bias * kv) + h * h  # q (+bias), k and v (+bias), o
         mlp = 3 * h * self.intermediate_size
         block = attention + mlp + 2 * h  # two RMSNorm weights
         total = self.num_hidden_layers * block + h  # final norm
@@ -186,6 +197,12 @@ class Qwen2Config:
 
 
 _QWEN25_COMMON = dict(rope_theta=1000000.0)
+# Llama 3 (Meta's params.json / Hugging Face config.json of Meta-Llama-3-8B, -70B and Llama-3.1-405B; "The Llama 3
+# Herd of Models", table 3): a Qwen2-shaped decoder without q/k/v biases, 128,256-token vocabulary, untied head,
+# rope_theta 500,000, 8 key-value heads. max_position_embeddings is the 8,192-token pre-training context: Llama 3.1's
+# 131,072 needs its "llama3" rope scaling, which this implementation does not compute.
+_LLAMA3_COMMON = dict(vocab_size=128256, num_key_value_heads=8, max_position_embeddings=8192, rope_theta=500000.0,
+                      rms_norm_eps=1e-5, tie_word_embeddings=False, attention_bias=False)
 
 PRESETS: dict[str, dict[str, Any]] = {
     # A debug size: 4 blocks, width 64, GQA 4:2, a byte-level vocabulary. Trains in seconds on a CPU.
@@ -213,6 +230,13 @@ PRESETS: dict[str, dict[str, Any]] = {
     "qwen2.5-72b": dict(vocab_size=152064, hidden_size=8192, intermediate_size=29568, num_hidden_layers=80,
                         num_attention_heads=64, num_key_value_heads=8, max_position_embeddings=131072,
                         rms_norm_eps=1e-5, tie_word_embeddings=False, **_QWEN25_COMMON),
+    # Llama 3 / 3.1 sizes; published totals 8.03B, 70.6B and 405.9B parameters (tests/test_model.py checks them).
+    "llama3-8b": dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
+                      **_LLAMA3_COMMON),
+    "llama3-70b": dict(hidden_size=8192, intermediate_size=28672, num_hidden_layers=80, num_attention_heads=64,
+                       **_LLAMA3_COMMON),
+    "llama3-405b": dict(hidden_size=16384, intermediate_size=53248, num_hidden_layers=126, num_attention_heads=128,
+                        **_LLAMA3_COMMON),
 }
 
 
@@ -220,7 +244,8 @@ def block_tensor_shapes(config: Qwen2Config) -> dict[str, tuple[tuple[int, ...],
     """Name within a block -> (global shape, dim that tensor parallelism splits or ``None``), for every tensor.
 
     Colwise projections (q, k, v, gate, up) split their output rows (dim 0, biases too), rowwise ones
-    (o, down) their input columns (dim 1); norms are replicated.
+    (o, down) their input columns (dim 1); norms are replicated. Without ``attention_bias`` the q/k/v biases
+    are absent.
     """
     h, inter = config.hidden_size, config.intermediate_size
     q, kv = config.num_attention_heads * config.head_dim, config.num_key_value_heads * config.head_dim
@@ -233,7 +258,9 @@ def block_tensor_shapes(config: Qwen2Config) -> dict[str, tuple[tuple[int, ...],
         "mlp.down_proj.weight": ((h, inter), 1),
         "input_layernorm.weight": ((h,), None), "post_attention_layernorm.weight": ((h,), None),
     }
-    return {name: shapes[name] for name in BLOCK_TENSORS}
+    if not config.attention_bias:
+        shapes = {name: shape for name, shape in shapes.items() if not name.endswith("_proj.bias")}
+    return {name: shapes[name] for name in BLOCK_TENSORS if name in shapes}
 
 
 def block_matmul_params(config: Qwen2Config) -> int:

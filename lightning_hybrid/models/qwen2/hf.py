@@ -28,7 +28,8 @@ __all__ = [
 ]
 
 # The one mapping between Hugging Face tensor names and ours, read in both directions. ``{i}`` is the
-# global block index.
+# global block index. The q/k/v bias names map too; a config without ``attention_bias`` expects none of them
+# (:func:`expected_hf_tensors` follows :func:`block_tensor_shapes`).
 HF_NAME_TABLE: tuple[tuple[str, str], ...] = (
     ("model.embed_tokens.weight", "embed_tokens.weight"),
     *((f"model.layers.{{i}}.{suffix}", f"layers.{{i}}.{suffix}") for suffix in BLOCK_TENSORS),
@@ -42,7 +43,7 @@ _IGNORED_HF = re.compile(r"model\.layers\.\d+\.self_attn\.rotary_emb\.inv_freq")
 # Fields of config.json that decide shapes or math; all must agree with the model asked for.
 ARCHITECTURE_FIELDS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
                        "num_attention_heads", "num_key_value_heads", "tie_word_embeddings", "rope_theta",
-                       "rms_norm_eps")
+                       "rms_norm_eps", "attention_bias")
 
 # Files of a Hugging Face folder that belong to the tokenizer (copied on export).
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.json", "merges.txt", "special_tokens_map.json",

@@ -67,7 +67,8 @@ def apply_rotary(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
 
 
 class Attention(nn.Module):
-    """Causal grouped-query attention; q/k/v carry a bias, the output projection does not.
+    """Causal grouped-query attention; q/k/v carry a bias (unless ``attention_bias`` is false, as in Llama), the
+    output projection does not.
 
     The number of heads is read from the projection outputs, not from the config, so the same code
     runs on a tensor-parallel shard that holds ``heads / tp`` query and ``kv_heads / tp`` kv heads.
@@ -78,9 +79,10 @@ class Attention(nn.Module):
         h, d = config.hidden_size, config.head_dim
         self.head_dim = d
         self.rope_theta = config.rope_theta
-        self.q_proj = nn.Linear(h, config.num_attention_heads * d, bias=True)
-        self.k_proj = nn.Linear(h, config.num_key_value_heads * d, bias=True)
-        self.v_proj = nn.Linear(h, config.num_key_value_heads * d, bias=True)
+        bias = config.attention_bias
+        self.q_proj = nn.Linear(h, config.num_attention_heads * d, bias=bias)
+        self.k_proj = nn.Linear(h, config.num_key_value_heads * d, bias=bias)
+        self.v_proj = nn.Linear(h, config.num_key_value_heads * d, bias=bias)
         self.o_proj = nn.Linear(config.num_attention_heads * d, h, bias=False)
 
     def forward(self, x: Tensor) -> Tensor:
