@@ -1,13 +1,11 @@
-"""Training under FaultTolerantCheckpoint for the fault-tolerance tests (launched with torchrun).
-
-Environment: OUT (folder for results), CKPT (checkpoint folder), STEPS, EVERY (save interval),
-ASYNC (0/1), KILL_AT (step at which KILL_RANK SIGKILLs itself, right after that step's save started),
-KILL_ONLY_FIRST_ATTEMPT (1: only when torchrun's restart count is 0), SIGTERM_AT (every rank sends itself
-SIGTERM at that step), SLOW_WRITER_RANK (that rank's background writer pauses 2 s before its first
-collective), TP, PP. FILL_DISK_AT (rank 0 fills the checkpoint file system after that step, before the next
-step's save), FREE_DISK_AT (rank 0 waits for the pending save to end after that step, then frees the space again),
-FAIL_LIKE_DCP_AT (every rank's DCP file writer raises ENOSPC for that step's checkpoint, where no file system can
-be mounted).
+"""Training under FaultTolerantCheckpoint for the fault-tolerance tests (launched with torchrun). Environment: OUT
+(folder for results), CKPT (checkpoint folder), STEPS, EVERY (save interval), ASYNC (0/1), KILL_AT (step at which
+KILL_RANK SIGKILLs itself, right after that step's save started), KILL_ONLY_FIRST_ATTEMPT (1: only when torchrun's
+restart count is 0), SIGTERM_AT (every rank sends itself SIGTERM at that step), SLOW_WRITER_RANK (that rank's
+background writer pauses 2 s before its first collective), TP, PP. FILL_DISK_AT (rank 0 fills the checkpoint file
+system after that step, before the next step's save, leaving FILL_DISK_LEAVE bytes), FREE_DISK_AT (rank 0 waits for
+the pending save to end after that step, then frees the space again), FAIL_LIKE_DCP_AT (every rank's DCP file writer
+raises ENOSPC for that step's checkpoint, where no file system can be mounted).
 """
 
 from __future__ import annotations
@@ -40,10 +38,11 @@ class Faults(L.Callback):
 
     def fill_or_free_disk(self, trainer, step: int) -> None:
         if int(env("FILL_DISK_AT", "0")) == step and trainer.global_rank == 0:
-            fill_disk(_ballast())
+            fill_disk(_ballast(), leave=int(env("FILL_DISK_LEAVE", "0")))
         if int(env("FREE_DISK_AT", "0")) == step:
             checkpoint = next(c for c in trainer.callbacks if isinstance(c, FaultTolerantCheckpoint))
-            while checkpoint._pending is not None and not checkpoint._pending.ready():
+            deadline = time.monotonic() + 60
+            while checkpoint._pending is not None and not checkpoint._pending.ready() and time.monotonic() < deadline:
                 time.sleep(0.05)  # the failing background write of the previous save ends first
             if trainer.global_rank == 0:
                 _ballast().unlink()
@@ -79,23 +78,20 @@ def _ballast() -> Path:
     return Path(env("CKPT")) / "ballast.bin"
 
 
-def fill_disk(path: Path) -> None:
-    """Write zeros into ``path`` until the file system is full (ENOSPC)."""
-    block = b"\0" * (1 << 20)
-    with open(path, "wb") as f:
-        try:
+def fill_disk(path: Path, leave: int = 0) -> None:
+    """Write zeros into ``path`` until the file system is full (ENOSPC), unbuffered so closing cannot fail; then give
+    back ``leave`` bytes (room for small files, not for a checkpoint's shards)."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
+    try:
+        for size in (1 << 20, 4096, 1):  # big blocks, then fill the last partial ones
             while True:
-                f.write(block)
-                f.flush()
-        except OSError:
-            pass
-    with open(path, "ab") as f:  # the last partial MiB
-        try:
-            while True:
-                f.write(b"\0" * 4096)
-                f.flush()
-        except OSError:
-            pass
+                try:
+                    os.write(fd, b"\0" * size)
+                except OSError:
+                    break
+        os.ftruncate(fd, max(0, os.fstat(fd).st_size - leave))
+    finally:
+        os.close(fd)
 
 
 def inject_dcp_like_failures() -> None:

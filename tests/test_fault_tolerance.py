@@ -260,15 +260,19 @@ def _mount_tmpfs(path: Path, size: str) -> bool:
                           capture_output=True).returncode == 0
 
 
-@pytest.mark.parametrize("async_save", [True, False], ids=["async", "sync"])
-def test_a_full_disk_fails_one_save_training_continues_and_the_next_save_commits(baseline, tmp_path, async_save):
-    # The real DCP writer on a real 64 MB tmpfs: rank 0 fills it after step 5, so the step-6 save fails (in DCP's
-    # background thread when async, as a CheckpointException, a BaseException); the space comes back after step 6.
+@pytest.mark.parametrize("async_save,leave", [(True, 256 << 10), (True, 0), (False, 256 << 10)],
+                         ids=["async_in_dcp_writer", "async_before_dcp", "sync_in_dcp_writer"])
+def test_a_full_disk_fails_one_save_training_continues_and_the_next_save_commits(baseline, tmp_path, async_save,
+                                                                                 leave):
+    # The real DCP writer on a real 64 MB tmpfs: rank 0 fills it after step 5, so the step-6 save fails; the space
+    # comes back after step 6. With 256 KiB left, the small files fit and DCP's shard writer fails (in its background
+    # thread when async, as a CheckpointException, a BaseException); with none left, the first file already fails.
     import subprocess
 
     disk = tmp_path / "disk"
     mounted = _mount_tmpfs(disk, "64m")
-    faults = {"FILL_DISK_AT": 5, "FREE_DISK_AT": 6} if mounted else {"FAIL_LIKE_DCP_AT": 6}
+    faults = ({"FILL_DISK_AT": 5, "FREE_DISK_AT": 6, "FILL_DISK_LEAVE": leave} if mounted
+              else {"FAIL_LIKE_DCP_AT": 6})
     try:
         result = _run(tmp_path, disk / "ckpt", ASYNC=int(async_save), KEEP=3, **faults)
         log = result.stdout + result.stderr

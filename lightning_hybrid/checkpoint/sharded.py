@@ -73,6 +73,14 @@ def _versions() -> dict[str, str]:
             "lightning": lightning.__version__, "python": platform.python_version()}
 
 
+def _by_error(failed: list[tuple[int, str]]) -> str:
+    """``"ranks 0, 1, 3: OSError: ..."``: each distinct error once, with the ranks that reported it."""
+    ranks: dict[str, list[int]] = {}
+    for rank, error in failed:
+        ranks.setdefault(error, []).append(rank)
+    return "; ".join(f"rank{'s' if len(r) > 1 else ''} {', '.join(map(str, r))}: {e}" for e, r in ranks.items())
+
+
 def _info(ctx: CheckpointContext, checkpoint: dict[str, Any]) -> dict[str, Any]:
     module = ctx.module
     config = getattr(module, "config", None)
@@ -120,9 +128,9 @@ class ShardedSave:
         group = self.ctx.group
         gathered: list = [None] * dist.get_world_size(group)
         dist.all_gather_object(gathered, records, group=group)
-        errors = [f"rank {r}: {g['error']}" for r, g in enumerate(gathered) if "error" in g]
-        if errors:
-            raise CheckpointWriteError(f"saving {self.folder} failed: " + "; ".join(errors))
+        failed = [(r, g["error"]) for r, g in enumerate(gathered) if "error" in g]
+        if failed:
+            raise CheckpointWriteError(f"saving {self.folder} failed: {_by_error(failed)}")
         if self.ctx.global_rank == 0:
             files: dict[str, Any] = {}
             for item in gathered:
@@ -144,18 +152,18 @@ def begin_save(ctx: CheckpointContext, checkpoint: dict[str, Any], folder: Path,
 
     started = time.perf_counter()
     group = ctx.group
-    # Local failures (permission denied, disk full) must not leave some ranks inside DCP's collectives.
+    # Local failures (permission denied, disk full: OSError, or torch's "unexpected pos" RuntimeError) are gathered
+    # first: every rank raises together, after all finished touching the folder, and none is left in DCP's collectives.
     try:
         folder.mkdir(parents=True, exist_ok=True)
         save_rng(folder, ctx.global_rank)
         error = ""
-    except OSError as err:
-        error = f"{type(err).__name__}: {err}"
+    except Exception as err:  # noqa: BLE001 - reported to every rank below and raised there
+        error = f"{type(err).__name__}: {' '.join(str(err).split())}"
     errors: list = [None] * dist.get_world_size(group)
     dist.all_gather_object(errors, error, group=group)
     if any(errors):
-        failed = "; ".join(f"rank {r}: {e}" for r, e in enumerate(errors) if e)
-        raise CheckpointWriteError(f"saving {folder} failed: {failed}")
+        raise CheckpointWriteError(f"saving {folder} failed: {_by_error([(r, e) for r, e in enumerate(errors) if e])}")
     state = model_optimizer_state(ctx.module.model, ctx.optimizers)
     # An asynchronous write runs its collectives in a background thread, on a group no other thread uses.
     writer_group = ctx.background_group if async_save else group
