@@ -121,8 +121,15 @@ class CausalLM(pl.LightningModule):
         The one question this module asks a strategy, through its public ``declared_model_runner()``; a
         strategy without that method (single device, DDP, ...) runs the model plainly.
         """
-        ask = getattr(self.trainer.strategy, "declared_model_runner", None) if self._trainer is not None else None
+        ask = getattr(self._strategy(), "declared_model_runner", None)
         return ask() if callable(ask) else None
+
+    def _strategy(self) -> Optional[Any]:
+        """The Trainer's strategy, or ``None`` while this module is not attached to a Trainer."""
+        try:
+            return self.trainer.strategy
+        except RuntimeError:  # Lightning's `trainer` raises when none is attached
+            return None
 
     def init_seed(self) -> int:
         if self.hparams.init_seed is not None:
@@ -134,7 +141,7 @@ class CausalLM(pl.LightningModule):
             return
         with torch.device("meta"):
             model = Qwen2(self.config)
-        strategy = self._trainer.strategy if self._trainer is not None else None
+        strategy = self._strategy()
         # A strategy that runs declared models shards the meta-device model before allocating it.
         if not callable(getattr(strategy, "declared_model_runner", None)):
             model.to_empty(device=self.device)

@@ -5,9 +5,10 @@
 # **dp=8** (`recipes/qwen2.5-72b-pretrain.yaml`). This notebook shows
 #
 # 1. which ranks share a tensor-parallel, a pipeline and a data-parallel group, drawn from the mesh the strategy
-#    builds (`lightning_hybrid.mesh.ParallelDims`);
-# 2. how the 80 blocks of Qwen2.5-72B are cut into pipeline stages (`lightning_hybrid.pipeline.plan_stages` on the
-#    costs the model declares in `CausalLM("qwen2.5-72b").parallel_spec()`);
+#    builds (`lightning_hybrid.distributed.parallel_dims.ParallelDims`);
+# 2. how the 80 blocks of Qwen2.5-72B are cut into pipeline stages
+#    (`lightning_hybrid.distributed.pipeline.split.plan_stages` on the costs the model declares in
+#    `CausalLM("qwen2.5-72b").parallel_spec()`);
 # 3. what the GPipe, 1F1B and interleaved 1F1B schedules do with those stages, as Gantt charts built from the
 #    measured forward and backward times of the tiny model's stages, and how big the pipeline bubble is.
 #
