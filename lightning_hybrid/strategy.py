@@ -31,6 +31,7 @@ from lightning_hybrid.distributed.parallelize import ParallelOptions, check_opti
 from lightning_hybrid.distributed.pipeline.runner import PipelineRunner, build_pipeline
 from lightning_hybrid.distributed.pipeline.schedules import PP_SCHEDULES
 from lightning_hybrid.distributed.pipeline.timer import format_bubble_report, gather_bubble_report
+from lightning_hybrid.distributed.step_guard import StepGuard
 from lightning_hybrid.models.spec import ParallelSpec
 
 __all__ = ["HybridParallelStrategy", "PP_SCHEDULES"]
@@ -126,6 +127,7 @@ class HybridParallelStrategy(ModelParallelStrategy):
         self.resume_position: Optional[dict[str, int]] = None
         self.train_sampler: Optional[Any] = None
         self.bubble_report: Optional[dict[str, Any]] = None
+        self.step_guard = StepGuard()
 
     @property
     def dims(self) -> ParallelDims:
@@ -244,12 +246,17 @@ class HybridParallelStrategy(ModelParallelStrategy):
         if self._spec is not None and self.dims.dp > 1 and self.options.data_parallel == "replicate":
             closure = all_reducing(closure, self.lightning_module.model, self.device_mesh["dp"].get_group(),
                                    self.dims.dp, self.options.reduction_dtype(self._precision))
-        result = super().optimizer_step(optimizer, closure, model, **kwargs)
+        with self.step_guard.guarding(optimizer):
+            result = super().optimizer_step(optimizer, closure, model, **kwargs)
         if self.pipeline is not None:
             # Gradients of the next step accumulate from zero inside the schedule (Lightning's own zero_grad
             # runs after training_step, which is too late for a pipeline; CausalLM skips it).
             optimizer.zero_grad(set_to_none=True)
         return result
+
+    def skip_next_optimizer_step(self) -> None:
+        """Compute this step's gradients but apply nothing (weights and optimizer state stay); every rank must ask."""
+        self.step_guard.skip_next()
 
     @override
     def on_train_end(self) -> None:

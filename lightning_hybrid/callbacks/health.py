@@ -1,0 +1,300 @@
+"""Training health: guards against a non-finite loss or gradient and against loss spikes.
+
+Every optimizer step, between backward and the update, :class:`TrainingHealth` checks the monitored loss (the
+global mean that the LightningModule logs) and the global gradient norm (:func:`~lightning_hybrid.distributed.
+clip_grad.global_grad_norm`: one scalar all-reduce over every stage and shard). One small all-reduce of
+``[non-finite flag, loss]`` (MAX) makes every rank decide alike; the spike test then runs on the same numbers on
+every rank. A step whose policy is ``"skip"`` is not applied on any rank (weights and optimizer state unchanged,
+the step counter and LR schedule advance): the callback asks the strategy, through
+``strategy.skip_next_optimizer_step()`` (:class:`~lightning_hybrid.HybridParallelStrategy`).
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+from collections import deque
+from typing import Any, Optional
+
+import lightning.pytorch as pl
+import torch
+from lightning.pytorch.utilities import rank_zero_warn
+
+from lightning_hybrid.distributed.clip_grad import global_grad_norm
+
+__all__ = ["TrainingHealth", "POLICIES"]
+
+POLICIES = ("skip", "warn")  # "rollback" and "stop" are not available yet
+
+
+def _check_policy(name: str, value: Any) -> str:
+    if value in ("rollback", "stop"):
+        raise ValueError(f"{name}={value!r} is not available yet; use one of {', '.join(map(repr, POLICIES))}")
+    if value not in POLICIES:
+        raise ValueError(f"{name}={value!r} is not a policy; use one of {', '.join(map(repr, POLICIES))}")
+    return value
+
+
+def _check_number(name: str, value: Any, low: float, inclusive: bool, integer: bool = False) -> None:
+    kind = int if integer else (int, float)
+    ok = isinstance(value, kind) and not isinstance(value, bool) and math.isfinite(value)
+    ok = ok and (value >= low if inclusive else value > low)
+    if not ok:
+        what = "an integer" if integer else "a finite number"
+        raise ValueError(f"{name}={value!r} must be {what} {'>=' if inclusive else '>'} {low}")
+
+
+def _check_arguments(spike_factor: float, window: int, spike_zscore: Optional[float], max_rollbacks: int,
+                     skip_batches: Any, recheck: bool, consistency_every_n_steps: Optional[int]) -> None:
+    _check_number("spike_factor", spike_factor, 1.0, inclusive=False)
+    _check_number("window", window, 2, inclusive=True, integer=True)
+    if spike_zscore is not None:
+        _check_number("spike_zscore", spike_zscore, 0.0, inclusive=False)
+    _check_number("max_rollbacks", max_rollbacks, 0, inclusive=True, integer=True)
+    if skip_batches is not None:
+        raise ValueError("skip_batches is not available yet; pass None")
+    if recheck:
+        raise ValueError("recheck=True is not available yet; pass recheck=False")
+    if consistency_every_n_steps is not None:
+        _check_number("consistency_every_n_steps", consistency_every_n_steps, 1, inclusive=True, integer=True)
+
+
+def _ranks_per_stage(strategy: Any) -> int:
+    try:
+        dims = strategy.dims
+    except (AttributeError, RuntimeError):
+        return int(getattr(strategy, "world_size", 1))  # DDP-like: every rank holds a full copy
+    return int(strategy.world_size) // int(dims.pp)
+
+
+_SLOTS = (("dp",), ("tp",), ("dp", "tp"))  # the mesh dims a parameter's identical copies span
+
+
+def _replicated_dims(param: torch.Tensor, dims: Any, replicate_dp: bool) -> tuple[str, ...]:
+    """The world-mesh dims (of ``dp``, ``tp``) along which every rank holds the same bits of ``param``'s piece."""
+    from torch.distributed.tensor import DTensor
+
+    sizes = {"dp": dims.dp, "tp": dims.tp}
+    if isinstance(param, DTensor):
+        names = param.device_mesh.mesh_dim_names or ()
+        spans = {n for n, p in zip(names, param.placements) if p.is_replicate()}
+        if "dp" not in names and replicate_dp:
+            spans.add("dp")
+    else:  # a plain parameter is a full copy on every TP peer, and on every DP peer when not sharded
+        spans = {"dp", "tp"} if replicate_dp else {"tp"}
+    return tuple(d for d in ("dp", "tp") if d in spans and sizes[d] > 1)
+
+
+def tensor_checksum(tensor: torch.Tensor) -> torch.Tensor:
+    """An int64 checksum of a tensor's bits, position-weighted: one ulp anywhere changes it."""
+    flat = tensor.detach().contiguous().reshape(-1)
+    ints = flat.view({8: torch.int64, 4: torch.int32, 2: torch.int16, 1: torch.uint8}[flat.element_size()])
+    weights = torch.arange(ints.numel(), dtype=torch.int64, device=ints.device) % 65521 + 1
+    return (ints.to(torch.int64) * weights).sum()
+
+
+def replica_checksums(module: torch.nn.Module, dims: Any, replicate_dp: bool) -> torch.Tensor:
+    """Per slot of ``_SLOTS``: a checksum of this rank's pieces of the parameters replicated along those dims."""
+    from torch.distributed.tensor import DTensor
+
+    sums = torch.zeros(len(_SLOTS), dtype=torch.int64)
+    for index, (_, param) in enumerate(sorted(module.named_parameters(), key=lambda item: item[0])):
+        spans = _replicated_dims(param, dims, replicate_dp)
+        if spans:
+            local = param.to_local() if isinstance(param, DTensor) else param
+            sums[_SLOTS.index(spans)] += tensor_checksum(local).cpu() * (index + 1)
+    return sums
+
+
+def find_inconsistent(gathered: list[list[int]], dims: Any) -> list[tuple[str, list[int], list[int]]]:
+    """(dims, odd ranks, their peers) per group of replicas whose checksums differ; the odd ones are the ranks
+    outside the largest agreeing subset (all of them on a tie)."""
+    found = []
+    for slot, spans in enumerate(_SLOTS):
+        groups: dict[tuple, list[int]] = {}
+        for rank in range(len(gathered)):
+            coords = dims.coordinates(rank)
+            groups.setdefault(tuple(v for k, v in coords.items() if k not in spans), []).append(rank)
+        for ranks in groups.values():
+            values = [gathered[r][slot] for r in ranks]
+            if len(set(values)) > 1:
+                counts = {v: values.count(v) for v in values}
+                best = max(counts.values())
+                winners = [v for v, c in counts.items() if c == best]
+                agree = winners[0] if len(winners) == 1 else None
+                odd = [r for r in ranks if gathered[r][slot] != agree]
+                found.append(("x".join(spans), odd, [r for r in ranks if r not in odd]))
+    return found
+
+
+class TrainingHealth(pl.Callback):
+    """Skips optimizer steps with a non-finite loss or gradient, and steps whose loss spikes.
+
+    A spike is a loss above ``spike_factor`` times the median of the last ``window`` healthy losses, or, with
+    ``spike_zscore``, more than that many standard deviations above their mean; it is tested once ``window``
+    healthy losses are known. Skipped losses do not enter the window.
+
+    Logs ``health/{skipped_steps, rollbacks, grad_norm, loss_spike_ratio}`` to every logger (rank 0) each step;
+    ``events`` lists what happened (step, kind, action, loss, grad norm); at the end of training rank 0 prints
+    one summary line (also in ``summary``).
+
+    Args:
+        on_nan: policy for a non-finite loss or gradient norm: ``"skip"`` (the step is not applied on any rank)
+            or ``"warn"`` (reported, applied).
+        on_spike: policy for a loss spike, as ``on_nan``.
+        spike_factor: a loss above this multiple of the running median is a spike (> 1).
+        window: healthy steps of the running median (>= 2).
+        consistency_every_n_steps: every this many steps (after the update) compare the weights of every group of
+            replicas bitwise: DP replicas under ``data_parallel="replicate"``, and the parameters TP peers hold whole
+            (norms); one all-gather of three int64 checksums per rank. A mismatch is warned about, naming the odd
+            ranks (outside the largest agreeing subset) and their hosts, and recorded in ``events``.
+            Needs :class:`~lightning_hybrid.HybridParallelStrategy`.
+        skip_batches, recheck, max_rollbacks: reserved for the skip list, the re-check and rollbacks; only their
+            defaults are accepted for now.
+        spike_zscore: also a spike: a loss more than this many standard deviations above the window's mean.
+        monitor: the logged metric holding the global mean training loss.
+
+    Raises:
+        ValueError: an unknown policy, a spike factor <= 1, a window under 2, or a feature not available yet.
+    """
+
+    def __init__(self, on_nan: str = "skip", on_spike: str = "skip", spike_factor: float = 3.0, window: int = 20,
+                 skip_batches: Any = None, max_rollbacks: int = 3, recheck: bool = False,
+                 consistency_every_n_steps: Optional[int] = None, spike_zscore: Optional[float] = None,
+                 monitor: str = "train_loss") -> None:
+        self.on_nan = _check_policy("on_nan", on_nan)
+        self.on_spike = _check_policy("on_spike", on_spike)
+        _check_arguments(spike_factor, window, spike_zscore, max_rollbacks, skip_batches, recheck,
+                         consistency_every_n_steps)
+        self.spike_factor, self.window, self.spike_zscore = float(spike_factor), window, spike_zscore
+        self.max_rollbacks, self.monitor = max_rollbacks, monitor
+        self.consistency_every_n_steps = consistency_every_n_steps
+        self._healthy: deque = deque(maxlen=window)
+        self.events: list[dict[str, Any]] = []
+        self.skipped_steps = 0
+        self.rollbacks = 0
+        self.checked_steps = 0
+        self.last_metrics: dict[str, float] = {}
+        self.summary: Optional[str] = None
+        self._last_consistency_step = -1
+        self._hosts: list[str] = []
+
+    def setup(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", stage: str) -> None:
+        if self.consistency_every_n_steps is not None:
+            import socket
+
+            if not hasattr(trainer.strategy, "dims"):
+                raise ValueError(f"TrainingHealth's consistency check needs HybridParallelStrategy, not "
+                                 f"{type(trainer.strategy).__name__}")
+            import torch.distributed as dist
+
+            self._hosts = [""] * dist.get_world_size()
+            dist.all_gather_object(self._hosts, socket.gethostname())  # once per fit
+        if "skip" in (self.on_nan, self.on_spike) and not callable(
+                getattr(trainer.strategy, "skip_next_optimizer_step", None)):
+            raise ValueError(f"TrainingHealth's 'skip' policy needs HybridParallelStrategy; "
+                             f"{type(trainer.strategy).__name__} cannot skip an optimizer step")
+
+    def _agreed(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> tuple[bool, Optional[float]]:
+        """(any rank saw a non-finite loss, the loss or ``None`` when not logged), the same on every rank."""
+        value = trainer.callback_metrics.get(self.monitor)
+        loss = float(value) if value is not None else None
+        flags = torch.tensor([0.0 if loss is None or math.isfinite(loss) else 1.0,
+                              loss if loss is not None and math.isfinite(loss) else -math.inf], dtype=torch.float64)
+        import torch.distributed as dist
+
+        if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+            device = pl_module.device if dist.get_backend() != "gloo" else torch.device("cpu")
+            flags = flags.to(device)
+            dist.all_reduce(flags, op=dist.ReduceOp.MAX)
+        nonfinite, agreed = bool(flags[0] > 0), float(flags[1])
+        return nonfinite, (agreed if agreed != -math.inf else None)
+
+    def spike_ratio(self, loss: Optional[float]) -> float:
+        """The loss over the running median of healthy losses (0 while fewer than ``window`` are known)."""
+        if loss is None or len(self._healthy) < self.window:
+            return 0.0
+        median = statistics.median(self._healthy)
+        return loss / median if median > 0 else 0.0
+
+    def _is_spike(self, loss: Optional[float], ratio: float) -> bool:
+        if loss is None or len(self._healthy) < self.window:
+            return False
+        if ratio > self.spike_factor:
+            return True
+        if self.spike_zscore is not None:
+            mean, std = statistics.fmean(self._healthy), statistics.pstdev(self._healthy)
+            return std > 0 and (loss - mean) / std > self.spike_zscore
+        return False
+
+    def on_before_optimizer_step(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule",
+                                 optimizer: torch.optim.Optimizer) -> None:
+        params = [p for group in optimizer.param_groups for p in group["params"]]
+        grad_norm = float(global_grad_norm(params, _ranks_per_stage(trainer.strategy)))
+        nonfinite_loss, loss = self._agreed(trainer, pl_module)
+        ratio = self.spike_ratio(loss)
+        kind = None
+        if nonfinite_loss or not math.isfinite(grad_norm):
+            kind, policy = "nan", self.on_nan
+        elif self._is_spike(loss, ratio):
+            kind, policy = "spike", self.on_spike
+        self.checked_steps += 1
+        step = trainer.global_step
+        if kind is None:
+            if loss is not None:
+                self._healthy.append(loss)
+        else:
+            self._act(trainer, step, kind, policy, loss, grad_norm)
+        self.last_metrics = {"health/skipped_steps": float(self.skipped_steps), "health/rollbacks": float(
+            self.rollbacks), "health/grad_norm": grad_norm, "health/loss_spike_ratio": ratio}
+        if trainer.is_global_zero:
+            for logger in trainer.loggers:
+                logger.log_metrics(self.last_metrics, step=step)
+
+    def _act(self, trainer: "pl.Trainer", step: int, kind: str, policy: str, loss: Optional[float],
+             grad_norm: float) -> None:
+        if policy == "skip":
+            trainer.strategy.skip_next_optimizer_step()
+            self.skipped_steps += 1
+        self.events.append({"step": step, "kind": kind, "action": policy, "loss": loss, "grad_norm": grad_norm})
+        what = "a non-finite loss or gradient" if kind == "nan" else "a loss spike"
+        rank_zero_warn(f"training health: step {step} has {what} (loss {loss}, grad norm {grad_norm:.4g}); "
+                       f"{'optimizer step skipped on every rank' if policy == 'skip' else 'step applied'}")
+
+    def on_train_batch_end(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", outputs: Any, batch: Any,
+                           batch_idx: int) -> None:
+        n = self.consistency_every_n_steps
+        if n and trainer.global_step % n == 0 and trainer.global_step != self._last_consistency_step:
+            self._last_consistency_step = trainer.global_step
+            self.check_consistency(trainer, pl_module)
+
+    def check_consistency(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> list:
+        """Compare the weight checksums of every group of replicas (one all-gather of 3 integers per rank); a
+        mismatch is reported naming the odd ranks and their hosts, and recorded in ``events``."""
+        import torch.distributed as dist
+
+        strategy = trainer.strategy
+        dims = strategy.dims
+        replicate_dp = getattr(getattr(strategy, "options", None), "data_parallel", "fsdp") == "replicate"
+        model = getattr(pl_module, "model", None)
+        sums = replica_checksums(model if isinstance(model, torch.nn.Module) else pl_module, dims, replicate_dp)
+        if dist.get_backend() != "gloo":
+            sums = sums.to(pl_module.device)
+        gathered = [torch.zeros_like(sums) for _ in range(dist.get_world_size())]
+        dist.all_gather(gathered, sums)
+        found = find_inconsistent([g.tolist() for g in gathered], dims)
+        for spans, odd, peers in found:
+            names = ", ".join(f"rank {r} ({self._hosts[r]})" for r in odd)
+            self.events.append({"step": trainer.global_step, "kind": "inconsistent", "action": "warn",
+                                "dims": spans, "ranks": odd, "peers": peers})
+            rank_zero_warn(f"training health: weights differ across {spans} replicas at step {trainer.global_step}: "
+                           f"{names} disagree with ranks {', '.join(map(str, peers)) or '-'}")
+        return found
+
+    def on_train_end(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
+        nans = sum(e["kind"] == "nan" for e in self.events)
+        spikes = sum(e["kind"] == "spike" for e in self.events)
+        self.summary = (f"training health: {self.checked_steps} steps checked, {nans} non-finite, {spikes} loss "
+                        f"spikes, {self.skipped_steps} steps skipped, {self.rollbacks} rollbacks")
+        if trainer.is_global_zero:
+            print(self.summary, flush=True)
