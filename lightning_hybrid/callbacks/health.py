@@ -194,6 +194,8 @@ class TrainingHealth(pl.Callback):
                 getattr(trainer.strategy, "skip_next_optimizer_step", None)):
             raise ValueError(f"TrainingHealth's 'skip' policy needs HybridParallelStrategy; "
                              f"{type(trainer.strategy).__name__} cannot skip an optimizer step")
+        if "skip" in (self.on_nan, self.on_spike):
+            trainer.strategy.step_guard.active = True  # the guard wraps optimizer steps from now on
 
     def _agreed(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> tuple[bool, Optional[float]]:
         """(any rank saw a non-finite loss, the loss or ``None`` when not logged), the same on every rank."""

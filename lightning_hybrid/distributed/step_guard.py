@@ -25,6 +25,7 @@ class StepGuard:
     """Holds a skip request for the optimizer step in progress and counts the steps it skipped."""
 
     def __init__(self) -> None:
+        self.active = False  # set by whoever may request a skip (TrainingHealth); otherwise steps run untouched
         self.requested = False
         self.skipped = 0
 
@@ -48,7 +49,14 @@ class StepGuard:
 
     @contextmanager
     def guarding(self, optimizer: torch.optim.Optimizer) -> Iterator[None]:
-        """Within the block, ``optimizer.step`` obeys :meth:`skip_next`; afterwards it is what it was."""
+        """Within the block, ``optimizer.step`` obeys :meth:`skip_next`; afterwards it is what it was.
+
+        Inactive (nobody may ask for a skip), the optimizer is left alone: an optimizer that calls its closure more
+        than once (L-BFGS) keeps working wherever no skip can be requested.
+        """
+        if not self.active:
+            yield
+            return
         original = optimizer.__dict__.get("step", _MISSING)  # an LR scheduler may have wrapped it on the instance
         optimizer.step = self._guarded(optimizer.step)  # type: ignore[method-assign]
         try:
