@@ -94,12 +94,14 @@ def user_error_message(err: BaseException) -> Optional[str]:
 
 
 def check_before_launch(trainer: Any, model: Any, datamodule: Any) -> None:
-    """What the parsed config alone decides: the strategy's sizes against the devices and the model, and the
-    micro-batches against the per-rank batch size. Runs before any worker process starts.
+    """What the parsed config alone decides: the strategy's sizes against the devices and the model, the
+    micro-batches against the per-rank batch size, and that a checkpoint folder to resume from holds this model.
+    Runs before any worker process starts.
 
     Raises:
         ValueError: naming the bad value and what would fit.
     """
+    from lightning_hybrid.callbacks.fault_tolerant import FaultTolerantCheckpoint
     from lightning_hybrid.distributed.parallelize import check_options
     from lightning_hybrid.distributed.pipeline.schedules import check_batch_splits
     from lightning_hybrid.strategy import HybridParallelStrategy
@@ -116,6 +118,10 @@ def check_before_launch(trainer: Any, model: Any, datamodule: Any) -> None:
     batch = getattr(getattr(datamodule, "hparams", None), "batch_size", None)
     if options.pp > 1 and isinstance(batch, int):
         check_batch_splits(batch, options.num_microbatches)
+    config = getattr(model, "config", None)
+    for callback in trainer.callbacks:
+        if isinstance(callback, FaultTolerantCheckpoint):
+            callback.check_model_matches(config.to_dict() if hasattr(config, "to_dict") else None)
 
 
 def check_strategy_arguments(strategy: Any) -> None:

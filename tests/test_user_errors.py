@@ -94,8 +94,9 @@ def test_only_global_rank_zero_prints_a_user_error(monkeypatch, capsys):
 
 
 def test_a_checkpoint_of_another_model_in_the_folder_is_refused_in_one_line_naming_the_ways_out(tmp_path):
-    # A committed checkpoint written by a wider model (intermediate_size 352 vs the recipe's 176): auto-resume finds
-    # it, every rank refuses it before loading a tensor, and rank 0 alone prints why and what to do.
+    # A committed checkpoint written by a wider model (intermediate_size 352 vs the recipe's 176): the CLI reads its
+    # manifest before any worker starts and refuses it in one line naming why and what to do (the strategy's load
+    # refuses it too, on every rank, if training is started another way).
     import json
 
     from lightning_hybrid.models import Qwen2Config

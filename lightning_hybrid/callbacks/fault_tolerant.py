@@ -358,6 +358,27 @@ class FaultTolerantCheckpoint(pl.Callback):
         except SAVE_ERRORS as err:  # noqa: BLE001 - the original exception is what matters; report, it re-raises
             rank_zero_warn(f"could not save a checkpoint after {type(exception).__name__}: {err}")
 
+    def check_model_matches(self, config: Optional[dict[str, Any]]) -> None:
+        """Before any process starts: refuse a ``dirpath`` whose newest readable checkpoint holds another model.
+
+        Reads only manifests (no collective), so the launcher, or every rank under torchrun, refuses at once.
+
+        Raises:
+            ValueError: naming the folder, the differing fields and the ways out.
+        """
+        from lightning_hybrid.checkpoint.manifest import read_manifest
+        from lightning_hybrid.checkpoint.sharded import check_model_config
+
+        if not self.auto_resume or config is None:
+            return
+        for candidate in committed_checkpoints(self.dirpath):
+            try:
+                manifest = read_manifest(candidate.path)
+            except CheckpointError:
+                continue  # a damaged manifest is reported and set aside at resume
+            check_model_config(manifest.get("model_config"), config, candidate.path)
+            return
+
     def state_dict(self) -> dict[str, Any]:
         return {"last_saved_step": self.last_saved_step, "dirpath": str(self.dirpath)}
 
