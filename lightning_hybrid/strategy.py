@@ -17,7 +17,6 @@ from lightning.fabric.plugins.collectives.torch_collective import default_pg_tim
 from lightning.pytorch.strategies import ModelParallelStrategy, StrategyRegistry
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.model_helpers import is_overridden
-from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch.optim import Optimizer
 from typing_extensions import override
 
@@ -26,11 +25,10 @@ from lightning_hybrid.data.sampler import batch_size_of, data_position, resumabl
 from lightning_hybrid.distributed.clip_grad import use_global_norm_clipping
 from lightning_hybrid.distributed.data_parallel import all_reducing
 from lightning_hybrid.distributed.init_weights import initialize_declared, move_buffers
-from lightning_hybrid.distributed.parallel_dims import ParallelDims, build_mesh, lightning_mesh, new_gloo_group
+from lightning_hybrid.distributed.parallel_dims import ParallelDims, build_mesh, checkpoint_groups, lightning_mesh
 from lightning_hybrid.distributed.parallelize import ParallelOptions, check_options, parallelize, require_meta
-from lightning_hybrid.distributed.pipeline.runner import PipelineRunner, build_pipeline
+from lightning_hybrid.distributed.pipeline.runner import PipelineRunner, build_pipeline, report_bubble
 from lightning_hybrid.distributed.pipeline.schedules import PP_SCHEDULES
-from lightning_hybrid.distributed.pipeline.timer import format_bubble_report, gather_bubble_report
 from lightning_hybrid.distributed.step_guard import StepGuard
 from lightning_hybrid.models.spec import ParallelSpec
 
@@ -60,17 +58,11 @@ class HybridParallelStrategy(ModelParallelStrategy):
         virtual_stages: pipeline stages per rank (interleaved and zero-bubble schedules need 2 or more).
         pp_split_points: explicit stage boundaries: block names where a stage starts (``["layers.40"]``) or
             a list of block counts per stage; ``None`` balances by cost.
-        activation_checkpointing: ``"none"``, ``"selective"`` or ``"full"`` (every block keeps only its input
-            and is re-run in backward); see :mod:`lightning_hybrid.distributed.activation_checkpoint`.
-        selective_ac: what ``"selective"`` recomputes: ``"op"`` (every block; matmul, attention and collective
-            outputs are kept, norms, rotary and activations recomputed), ``"attention"`` (the attention of
-            every block) or an integer ``k`` (every k-th block in full).
+        activation_checkpointing: ``"none"``, ``"selective"`` or ``"full"``; and ``selective_ac``: what ``"selective"``
+            recomputes, ``"op"``, ``"attention"`` or every k-th block (see :mod:`~.distributed.activation_checkpoint`).
         compile: ``torch.compile`` each block (after TP and recompute, before FSDP).
-        reduce_dtype: ``"fp32"`` or ``"bf16"``: dtype of the gradient reduction over ``dp`` (FSDP reduce-scatter
-            or the replicate all-reduce). ``None``: fp32 under bf16 precision, else the gradients' dtype.
-            With Lightning's ``precision="bf16-mixed"`` the weights stay fp32 (the optimizer's master copy)
-            and compute runs in bf16 (FSDP2 gathers bf16 weights; autocast elsewhere); ``"bf16-true"``
-            stores the weights in bf16.
+        reduce_dtype: ``"fp32"`` or ``"bf16"``: dtype of the gradient reduction over ``dp``; ``None``: fp32 under
+            bf16 precision (``"bf16-mixed"`` keeps fp32 master weights, ``"bf16-true"`` bf16 ones), else the grads'.
         preflight: run the network preflight on the training mesh before the model is built.
         save_distributed_checkpoint: each rank writes its shards (``True``) or rank 0 a full file.
         process_group_backend: ``"nccl"``/``"gloo"``; ``None`` chooses by device.
@@ -168,12 +160,7 @@ class HybridParallelStrategy(ModelParallelStrategy):
         self._validate()
         self._setup_distributed()
         self._device_mesh = build_mesh(self.dims, self.root_device.type, self._timeout)
-        # Checkpoint collectives get their own gloo groups: they may run while a background write is in flight and
-        # must never queue behind (or ahead of) training collectives. The background writer (DCP's async save, in
-        # another thread) gets a group of its own: two threads issuing collectives on one group can match them
-        # across ranks in different orders and hang (the main thread meets on `checkpoint_group` at every step).
-        self.checkpoint_group = new_gloo_group(self._timeout)
-        self.background_checkpoint_group = new_gloo_group(self._timeout)
+        self.checkpoint_group, self.background_checkpoint_group = checkpoint_groups(self._timeout)
         if self.preflight:
             from lightning_hybrid.preflight.links import PREFLIGHT_MAX_BYTES, run_preflight_or_raise
 
@@ -261,11 +248,7 @@ class HybridParallelStrategy(ModelParallelStrategy):
     @override
     def on_train_end(self) -> None:
         if self.pipeline is not None:
-            pp_rank = self.dims.coordinates(self.global_rank)["pp"]
-            self.bubble_report = gather_bubble_report(self.pipeline.timer, pp_rank, self.world_size,
-                                                      self.pipeline.theoretical_bubble)
-            rank_zero_info(format_bubble_report(self.bubble_report, self.options.pp_schedule, self.dims.pp,
-                                                self.pipeline.microbatches, self.options.virtual_stages))
+            self.bubble_report = report_bubble(self.pipeline, self.options, self.dims, self.global_rank)
 
     @override
     def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:

@@ -151,6 +151,17 @@ def new_gloo_group(timeout: Optional[timedelta]) -> Any:
     return dist.new_group(backend="gloo", timeout=timeout)
 
 
+def checkpoint_groups(timeout: Optional[timedelta]) -> tuple[Any, Any]:
+    """Two new gloo groups over the world: checkpoint collectives of the main thread, and of the background writer.
+
+    Checkpoint collectives may run while a background write is in flight and must never queue behind (or ahead of)
+    training collectives. The background writer (DCP's async save, in another thread) gets a group of its own: two
+    threads issuing collectives on one group can match them across ranks in different orders and hang (the main
+    thread meets on the first group at every step).
+    """
+    return new_gloo_group(timeout), new_gloo_group(timeout)
+
+
 def _lightning_names(mesh: "DeviceMesh") -> None:
     """Let ``mesh["data_parallel"]`` and ``mesh["tensor_parallel"]`` name the dp and tp dimensions.
 

@@ -25,14 +25,14 @@ from lightning_hybrid.distributed.pipeline.schedules import (
     theoretical_bubble,
 )
 from lightning_hybrid.distributed.pipeline.split import build_stages, plan_stages
-from lightning_hybrid.distributed.pipeline.timer import StageTimer
+from lightning_hybrid.distributed.pipeline.timer import StageTimer, format_bubble_report, gather_bubble_report
 from lightning_hybrid.models.spec import IGNORE_INDEX, ParallelSpec
 
 if TYPE_CHECKING:
     from torch.distributed import ProcessGroup
     from torch.distributed.device_mesh import DeviceMesh
 
-__all__ = ["PipelineRunner", "build_pipeline", "forward_only_order"]
+__all__ = ["PipelineRunner", "build_pipeline", "forward_only_order", "report_bubble"]
 
 
 @contextlib.contextmanager
@@ -204,3 +204,15 @@ def build_pipeline(model: nn.Module, spec: ParallelSpec, options: ParallelOption
     return PipelineRunner(stages, model.loss_sum, options.pp_schedule, options.num_microbatches, pp_group,
                           mesh["dp"].get_group() if dims.dp > 1 else None, dims.dp, dims.pp, options.virtual_stages,
                           timer, container)
+
+
+def report_bubble(pipeline: PipelineRunner, options: ParallelOptions, dims: ParallelDims,
+                  global_rank: int) -> dict[str, Any]:
+    """Gather every stage's measured idle fraction (a collective: every rank calls it) and log it on rank 0."""
+    from lightning.pytorch.utilities.rank_zero import rank_zero_info
+
+    report = gather_bubble_report(pipeline.timer, dims.coordinates(global_rank)["pp"], dims.world_size,
+                                  pipeline.theoretical_bubble)
+    rank_zero_info(format_bubble_report(report, options.pp_schedule, dims.pp, pipeline.microbatches,
+                                        options.virtual_stages))
+    return report
