@@ -20,16 +20,21 @@ import lightning.pytorch as pl
 import torch
 from lightning.pytorch.utilities import rank_zero_warn
 
+from lightning_hybrid.callbacks.rollback import (
+    EXIT_CODE_UNHEALTHY,
+    TrainingUnhealthy,
+    find_checkpointer,
+    roll_back,
+    stop,
+)
 from lightning_hybrid.distributed.clip_grad import global_grad_norm
 
-__all__ = ["TrainingHealth", "POLICIES"]
+__all__ = ["TrainingHealth", "POLICIES", "EXIT_CODE_UNHEALTHY", "TrainingUnhealthy"]
 
-POLICIES = ("skip", "warn")  # "rollback" and "stop" are not available yet
+POLICIES = ("skip", "rollback", "stop", "warn")
 
 
 def _check_policy(name: str, value: Any) -> str:
-    if value in ("rollback", "stop"):
-        raise ValueError(f"{name}={value!r} is not available yet; use one of {', '.join(map(repr, POLICIES))}")
     if value not in POLICIES:
         raise ValueError(f"{name}={value!r} is not a policy; use one of {', '.join(map(repr, POLICIES))}")
     return value
@@ -45,14 +50,17 @@ def _check_number(name: str, value: Any, low: float, inclusive: bool, integer: b
 
 
 def _check_arguments(spike_factor: float, window: int, spike_zscore: Optional[float], max_rollbacks: int,
-                     skip_batches: Any, recheck: bool, consistency_every_n_steps: Optional[int]) -> None:
+                     skip_batches: Any, recheck: bool, consistency_every_n_steps: Optional[int],
+                     rollback_after: int) -> None:
     _check_number("spike_factor", spike_factor, 1.0, inclusive=False)
+    _check_number("rollback_after", rollback_after, 1, inclusive=True, integer=True)
     _check_number("window", window, 2, inclusive=True, integer=True)
     if spike_zscore is not None:
         _check_number("spike_zscore", spike_zscore, 0.0, inclusive=False)
     _check_number("max_rollbacks", max_rollbacks, 0, inclusive=True, integer=True)
     if skip_batches is not None:
-        raise ValueError("skip_batches is not available yet; pass None")
+        raise ValueError(f"skip_batches={skip_batches!r} is not available yet; pass None (a rollback skips every "
+                         f"batch since the checkpoint it returns to)")
     if recheck:
         raise ValueError("recheck=True is not available yet; pass recheck=False")
     if consistency_every_n_steps is not None:
@@ -128,7 +136,7 @@ def find_inconsistent(gathered: list[list[int]], dims: Any) -> list[tuple[str, l
 
 
 class TrainingHealth(pl.Callback):
-    """Skips optimizer steps with a non-finite loss or gradient, and steps whose loss spikes.
+    """Skips optimizer steps with a non-finite loss or gradient; rolls back in process on a loss spike.
 
     A spike is a loss above ``spike_factor`` times the median of the last ``window`` healthy losses, or, with
     ``spike_zscore``, more than that many standard deviations above their mean; it is tested once ``window``
@@ -138,10 +146,23 @@ class TrainingHealth(pl.Callback):
     ``events`` lists what happened (step, kind, action, loss, grad norm); at the end of training rank 0 prints
     one summary line (also in ``summary``).
 
+    Policies (the step of the event is never applied, except under ``"warn"``):
+
+    - ``"skip"``: the optimizer step is not applied on any rank; after ``rollback_after`` bad steps in a row the
+      next one rolls back instead (when a FaultTolerantCheckpoint is there).
+    - ``"rollback"``: at the end of the step, every rank reloads the newest committed checkpoint of the Trainer's
+      :class:`~lightning_hybrid.callbacks.FaultTolerantCheckpoint` in place (no restart: weights, optimizer
+      states, RNG, LR schedulers, step counter) and the samples read since that checkpoint are never trained on:
+      the loader goes on past them, and their range goes into the manifests (every committed one, every later
+      one) so a resumed run on any mesh leaves them out too. After ``max_rollbacks`` rollbacks the next one stops.
+      Without a FaultTolerantCheckpoint, or before its first commit, a rollback is a skip (warned once at setup).
+    - ``"stop"``: the step is not applied, a checkpoint is saved (with a FaultTolerantCheckpoint) and every rank
+      raises :class:`TrainingUnhealthy`, a ``SystemExit`` with code ``EXIT_CODE_UNHEALTHY`` (76; 75 is preemption).
+    - ``"warn"``: reported and applied.
+
     Args:
-        on_nan: policy for a non-finite loss or gradient norm: ``"skip"`` (the step is not applied on any rank)
-            or ``"warn"`` (reported, applied).
-        on_spike: policy for a loss spike, as ``on_nan``.
+        on_nan: policy for a non-finite loss or gradient norm (default ``"skip"``).
+        on_spike: policy for a loss spike (default ``"rollback"``).
         spike_factor: a loss above this multiple of the running median is a spike (> 1).
         window: healthy steps of the running median (>= 2).
         consistency_every_n_steps: every this many steps (after the update) compare the weights of every group of
@@ -149,8 +170,10 @@ class TrainingHealth(pl.Callback):
             (norms); one all-gather of three int64 checksums per rank. A mismatch is warned about, naming the odd
             ranks (outside the largest agreeing subset) and their hosts, and recorded in ``events``.
             Needs :class:`~lightning_hybrid.HybridParallelStrategy`.
-        skip_batches, recheck, max_rollbacks: reserved for the skip list, the re-check and rollbacks; only their
-            defaults are accepted for now.
+        max_rollbacks: rollbacks allowed in one fit (>= 0); the next event that would roll back stops instead.
+        rollback_after: bad steps in a row (each skipped) after which the next one rolls back (>= 1).
+        skip_batches, recheck: reserved (a window shorter than "since the checkpoint", the re-run that tells
+            hardware from data); only their defaults are accepted for now.
         spike_zscore: also a spike: a loss more than this many standard deviations above the window's mean.
         monitor: the logged metric holding the global mean training loss.
 
@@ -158,14 +181,19 @@ class TrainingHealth(pl.Callback):
         ValueError: an unknown policy, a spike factor <= 1, a window under 2, or a feature not available yet.
     """
 
-    def __init__(self, on_nan: str = "skip", on_spike: str = "skip", spike_factor: float = 3.0, window: int = 20,
-                 skip_batches: Any = None, max_rollbacks: int = 3, recheck: bool = False,
+    def __init__(self, on_nan: str = "skip", on_spike: str = "rollback", spike_factor: float = 3.0,
+                 window: int = 20, skip_batches: Any = None, max_rollbacks: int = 3, recheck: bool = False,
                  consistency_every_n_steps: Optional[int] = None, spike_zscore: Optional[float] = None,
-                 monitor: str = "train_loss") -> None:
+                 monitor: str = "train_loss", rollback_after: int = 3) -> None:
         self.on_nan = _check_policy("on_nan", on_nan)
         self.on_spike = _check_policy("on_spike", on_spike)
         _check_arguments(spike_factor, window, spike_zscore, max_rollbacks, skip_batches, recheck,
-                         consistency_every_n_steps)
+                         consistency_every_n_steps, rollback_after)
+        self.rollback_after = rollback_after
+        self._bad_in_a_row = 0
+        self._pending: Optional[dict[str, Any]] = None  # a rollback or stop decided this step, done at its end
+        self.rollback_seconds: list[float] = []
+        self._checkpointer: Any = None
         self.spike_factor, self.window, self.spike_zscore = float(spike_factor), window, spike_zscore
         self.max_rollbacks, self.monitor = max_rollbacks, monitor
         self.consistency_every_n_steps = consistency_every_n_steps
@@ -190,12 +218,16 @@ class TrainingHealth(pl.Callback):
 
             self._hosts = [""] * dist.get_world_size()
             dist.all_gather_object(self._hosts, socket.gethostname())  # once per fit
-        if "skip" in (self.on_nan, self.on_spike) and not callable(
-                getattr(trainer.strategy, "skip_next_optimizer_step", None)):
-            raise ValueError(f"TrainingHealth's 'skip' policy needs HybridParallelStrategy; "
+        guarded = {self.on_nan, self.on_spike} - {"warn"}
+        if guarded and not callable(getattr(trainer.strategy, "skip_next_optimizer_step", None)):
+            raise ValueError(f"TrainingHealth's {sorted(guarded)[0]!r} policy needs HybridParallelStrategy; "
                              f"{type(trainer.strategy).__name__} cannot skip an optimizer step")
-        if "skip" in (self.on_nan, self.on_spike):
+        if guarded:
             trainer.strategy.step_guard.active = True  # the guard wraps optimizer steps from now on
+        self._checkpointer = find_checkpointer(trainer, self)
+        if self._checkpointer is None and ("rollback" in guarded or self.on_nan == "skip"):
+            rank_zero_warn("TrainingHealth: no FaultTolerantCheckpoint among the callbacks, so a rollback (on_spike="
+                           "'rollback', or after rollback_after bad steps) skips the step instead")
 
     def _agreed(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> tuple[bool, Optional[float]]:
         """(any rank saw a non-finite loss, the loss or ``None`` when not logged), the same on every rank."""
@@ -243,9 +275,13 @@ class TrainingHealth(pl.Callback):
         self.checked_steps += 1
         step = trainer.global_step
         if kind is None:
+            self._bad_in_a_row = 0
             if loss is not None:
                 self._healthy.append(loss)
         else:
+            self._bad_in_a_row += 1
+            if policy == "skip" and self._bad_in_a_row > self.rollback_after and self._checkpointer is not None:
+                policy = "rollback"
             self._act(trainer, step, kind, policy, loss, grad_norm)
         self.last_metrics = {"health/skipped_steps": float(self.skipped_steps), "health/rollbacks": float(
             self.rollbacks), "health/grad_norm": grad_norm, "health/loss_spike_ratio": ratio}
@@ -255,16 +291,47 @@ class TrainingHealth(pl.Callback):
 
     def _act(self, trainer: "pl.Trainer", step: int, kind: str, policy: str, loss: Optional[float],
              grad_norm: float) -> None:
-        if policy == "skip":
+        if policy != "warn":
             trainer.strategy.skip_next_optimizer_step()
             self.skipped_steps += 1
-        self.events.append({"step": step, "kind": kind, "action": policy, "loss": loss, "grad_norm": grad_norm})
+        event = {"step": step, "kind": kind, "action": policy, "loss": loss, "grad_norm": grad_norm}
+        self.events.append(event)
+        if policy in ("rollback", "stop"):
+            self._pending = event
         what = "a non-finite loss or gradient" if kind == "nan" else "a loss spike"
+        done = {"warn": "step applied", "skip": "optimizer step skipped on every rank",
+                "rollback": "optimizer step skipped; rolling back", "stop": "optimizer step skipped; stopping"}
         rank_zero_warn(f"training health: step {step} has {what} (loss {loss}, grad norm {grad_norm:.4g}); "
-                       f"{'optimizer step skipped on every rank' if policy == 'skip' else 'step applied'}")
+                       f"{done[policy]}")
+
+    def _finish_event(self, trainer: "pl.Trainer") -> None:
+        """The rollback or stop decided during this step, at its end (every rank together)."""
+        event, self._pending = self._pending, None
+        if event["action"] == "rollback" and self.rollbacks >= self.max_rollbacks:
+            event["action"] = "stop"
+            reason = f"max_rollbacks={self.max_rollbacks} reached and step {event['step']} has a {event['kind']}"
+        else:
+            reason = f"step {event['step']} has a {event['kind']} (on_{event['kind']}='stop')"
+        if event["action"] == "stop":
+            raise stop(trainer, self._checkpointer, reason)
+        done = roll_back(trainer, self._checkpointer) if self._checkpointer is not None else None
+        if done is None:
+            event["action"] = "skip"  # nothing committed to return to yet: the step stays skipped
+            rank_zero_warn(f"training health: no committed checkpoint to roll back to at step {event['step']}; "
+                           f"the step was skipped instead")
+            return
+        self.rollbacks += 1
+        self._bad_in_a_row = 0
+        self.rollback_seconds.append(done.seconds)
+        event.update(to_step=done.to_step, skipped=list(done.skipped) if done.skipped else None,
+                     seconds=done.seconds)
+        rank_zero_warn(f"training health: rolled back to {done.folder} (step {done.to_step}) in {done.seconds:.2f} s;"
+                       f" samples {done.skipped} (epoch, start, end) are skipped for good")
 
     def on_train_batch_end(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", outputs: Any, batch: Any,
                            batch_idx: int) -> None:
+        if self._pending is not None:
+            self._finish_event(trainer)
         n = self.consistency_every_n_steps
         if n and trainer.global_step % n == 0 and trainer.global_step != self._last_consistency_step:
             self._last_consistency_step = trainer.global_step
@@ -300,3 +367,10 @@ class TrainingHealth(pl.Callback):
                         f"spikes, {self.skipped_steps} steps skipped, {self.rollbacks} rollbacks")
         if trainer.is_global_zero:
             print(self.summary, flush=True)
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"skipped_steps": self.skipped_steps, "rollbacks": self.rollbacks}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self.skipped_steps = int(state_dict.get("skipped_steps", 0))
+        self.rollbacks = int(state_dict.get("rollbacks", 0))

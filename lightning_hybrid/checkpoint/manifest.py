@@ -19,7 +19,7 @@ from typing import Any, Iterable, Union
 
 __all__ = ["MANIFEST", "LATEST", "step_dirname", "file_record", "write_manifest",
            "CheckpointError", "committed_checkpoints", "set_aside_newer", "update_latest", "purge_old",
-           "fsync_dir"]
+           "fsync_dir", "record_skips"]
 
 MANIFEST = "meta.json"
 LATEST = "latest"
@@ -136,3 +136,21 @@ def purge_old(dirpath: Path, keep_last: int, protect: Iterable[Path] = ()) -> li
             shutil.rmtree(old.path, ignore_errors=True)
             removed.append(old.path)
     return removed
+
+
+def record_skips(dirpath: Union[str, Path], skips: list[list[int]]) -> list[Path]:
+    """Write the data ranges never to train on (``[epoch, start, end]``) into the ``data_position`` of every
+    committed checkpoint's manifest in ``dirpath`` (atomic replace; the manifest lists no checksum of itself), so
+    a run resumed from any of them leaves those samples out. Only one process may call it. Returns the folders."""
+    amended = []
+    for candidate in committed_checkpoints(dirpath):
+        try:
+            manifest = read_manifest(candidate.path)
+        except CheckpointError:
+            continue  # a damaged one is set aside at resume
+        position = manifest.get("data_position")
+        if position:
+            position["skips"] = sorted({tuple(s) for s in [*position.get("skips", []), *skips]})
+            _write_atomically(candidate.path / MANIFEST, json.dumps(manifest, indent=1, sort_keys=True))
+            amended.append(candidate.path)
+    return amended

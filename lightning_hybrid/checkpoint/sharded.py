@@ -214,6 +214,8 @@ def load(ctx: CheckpointContext, folder: Path) -> dict[str, Any]:
     check_model_config(manifest.get("model_config"), config.to_dict() if config is not None else None, folder)
     load_shards(folder, ctx.module.model, ctx.optimizers, ctx.group)
     trainer_state = load_trainer_state(folder)
+    if manifest.get("data_position"):  # the manifest's wins: a rollback may have added skipped ranges to it since
+        trainer_state.setdefault("hybrid", {})["data_position"] = manifest["data_position"]
     if manifest.get("mesh", {}).get("world_size") == ctx.world_size:
         load_rng(folder, ctx.global_rank, rank_zero_warn)
     return trainer_state

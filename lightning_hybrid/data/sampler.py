@@ -28,13 +28,48 @@ class ResumableDistributedSampler(DistributedSampler):
         super().__init__(dataset, num_replicas=num_replicas, rank=rank, shuffle=shuffle, seed=seed,
                          drop_last=drop_last)
         self._resume: Optional[tuple[int, int]] = None  # (epoch, samples consumed in it, globally)
+        # Ranges [start, end) of global positions in an epoch's permutation never trained on (a rolled-back window):
+        # (epoch, start, end). Those known when an epoch's iteration starts are left out of it.
+        self.skips: list[tuple[int, int, int]] = []
+        self._base = (0, 0)  # (samples Lightning counted, permutation position) where this iteration started
+        self._active: list[tuple[int, int]] = []
+        self._counted: Optional[int] = None
 
-    def resume_from(self, epoch: int, consumed_samples: int) -> None:
-        """Start epoch ``epoch`` after ``consumed_samples`` samples (over all ranks) were already used."""
+    def resume_from(self, epoch: int, consumed_samples: int, counted: Optional[int] = None) -> None:
+        """Start epoch ``epoch`` after ``consumed_samples`` positions of its permutation (over all ranks) were used
+        or skipped; ``counted``: how many of them the loaded Trainer state counts as processed (default: all)."""
         if consumed_samples % self.num_replicas:
             raise ValueError(f"cannot resume after {consumed_samples} samples on {self.num_replicas} data-parallel "
                              f"ranks: the position must be a multiple of the number of ranks")
         self._resume = (epoch, consumed_samples)
+        self._counted = consumed_samples if counted is None else counted
+
+    def add_skip(self, epoch: int, start: int, end: int) -> None:
+        """Record the global positions ``[start, end)`` of ``epoch`` as never to be trained on (from the next
+        iteration of that epoch on: a range already passed in the running one is only recorded).
+
+        Raises:
+            ValueError: the range is empty or not on a boundary of this sampler's ranks.
+        """
+        if not 0 <= start < end or start % self.num_replicas or end % self.num_replicas:
+            raise ValueError(f"skip range [{start}, {end}) must be non-empty and on multiples of the "
+                             f"{self.num_replicas} data-parallel ranks")
+        if (epoch, start, end) not in self.skips:
+            self.skips.append((epoch, start, end))
+
+    def position(self, counted: int) -> int:
+        """The permutation position reached once Lightning counted ``counted`` samples of the running epoch (the
+        ranges this iteration leaves out are passed over, not counted)."""
+        left, pos = counted - self._base[0], self._base[1]
+        for start, end in self._active:
+            if end <= pos:
+                continue
+            if start >= pos:
+                if pos + left <= start:
+                    break
+                left -= start - pos
+            pos = end
+        return pos + left
 
     def _skip(self) -> int:
         if self._resume is None or self._resume[0] != self.epoch:
@@ -43,9 +78,13 @@ class ResumableDistributedSampler(DistributedSampler):
 
     def __iter__(self) -> Iterator[int]:
         skip = self._skip()
+        self._base = (self._counted or 0, skip * self.num_replicas) if skip else (0, 0)
         self._resume = None if skip else self._resume
+        n = self.num_replicas
+        self._active = sorted((s, e) for epoch, s, e in self.skips if epoch == self.epoch)
+        left_out = [(s // n, e // n) for s, e in self._active]
         for position, index in enumerate(super().__iter__()):
-            if position >= skip:
+            if position >= skip and not any(s <= position < e for s, e in left_out):
                 yield index
 
     # __len__ stays the full epoch: Lightning counts a resumed epoch's batches from its start.
@@ -74,7 +113,9 @@ def resumable_dataloader(dataloader: Any, resume: Optional[dict[str, int]]) -> t
     sampler = ResumableDistributedSampler(old.dataset, num_replicas=old.num_replicas, rank=old.rank,
                                           shuffle=old.shuffle, seed=seed, drop_last=old.drop_last)
     if resume is not None:
-        sampler.resume_from(resume["epoch"], resume["samples_in_epoch"])
+        sampler.resume_from(resume["epoch"], resume["samples_in_epoch"], resume.get("counted"))
+    for epoch, start, end in (resume or {}).get("skips", []):
+        sampler.add_skip(epoch, start, end)
     loader = _update_dataloader(dataloader, sampler, mode=RunningStage.TRAINING if old.shuffle else None)
     return loader, sampler if old.shuffle else None, resume is not None
 
@@ -98,13 +139,17 @@ def batch_size_of(batch: Any, loader: Any) -> Optional[int]:
 
 def data_position(trainer: Any, per_rank_batch_size: Optional[int], dp: int,
                   sampler: Optional[ResumableDistributedSampler]) -> Optional[dict[str, int]]:
-    """Global samples of the current epoch consumed so far (including the batch being finished), and the seed."""
+    """Where the data stands: ``samples_in_epoch``, the permutation position reached (the batch being finished
+    included, left-out ranges passed over); ``counted``, the samples Lightning counted to get there; the seed; and
+    ``skips``, the ranges never to train on (``[epoch, start, end]``, global positions: valid on any mesh)."""
     if trainer is None or per_rank_batch_size is None:
         return None
     progress = trainer.fit_loop.epoch_loop.batch_progress.current
-    position = {"epoch": int(trainer.current_epoch),
-                "samples_in_epoch": int(progress.processed) * per_rank_batch_size * dp,
+    counted = int(progress.processed) * per_rank_batch_size * dp
+    position = {"epoch": int(trainer.current_epoch), "samples_in_epoch": counted,
                 "global_batch": per_rank_batch_size * dp}
     if sampler is not None:
-        position["seed"] = int(sampler.seed)
+        position.update(seed=int(sampler.seed), samples_in_epoch=sampler.position(counted), counted=counted)
+        if sampler.skips:
+            position["skips"] = [list(s) for s in sampler.skips]
     return position
