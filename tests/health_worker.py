@@ -8,6 +8,12 @@ skips that step. ``mode="reference"``: clean data, and at ``poison_step`` a plai
 run whose optimizer never applied that step, built without TrainingHealth or the strategy's skip.
 ``mode="consistency"``: rank ``bump_rank`` moves one weight (named like ``bump_name``) by one ulp after step 2,
 and TrainingHealth checks the replicas every 2 steps.
+``mode="rollback"``: FaultTolerantCheckpoint every 2 steps; the logits of step ``poison_step`` are scaled by 100 (once:
+a spike), TrainingHealth rolls back in process to step 2 and skips the batches since. ``mode="window-reference"``: no
+callback; the data never holds global batches ``window`` (an explicit order without them, the run's permutation).
+``mode="rollback-kill"``: as ``rollback``, but rank ``kill_rank`` SIGKILLs itself at the start of step ``kill_step``
+on the first attempt; torchrun restarts the workers, which resume from the checkpoint (the records of finished
+configurations are kept, those configurations are not run again).
 Rank 0 writes ``<name>.pt``: losses, final weights, the weights after the steps around ``poison_step``, the
 AdamW step counts, the callback's events and counters, and the callback's hook time per step.
 """
@@ -16,6 +22,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import sys
 import time
 from pathlib import Path
@@ -27,7 +34,7 @@ import torch.distributed as dist
 from helpers.equivalence import GLOBAL_BATCH, SEED, LossRecorder, make_dataset, make_trainer_kwargs, tiny_config
 from helpers.gather import full_weights, gather_objects
 from lightning_hybrid import HybridParallelStrategy
-from lightning_hybrid.callbacks import TrainingHealth
+from lightning_hybrid.callbacks import FaultTolerantCheckpoint, TrainingHealth
 from lightning_hybrid.models import CausalLM
 
 
@@ -92,6 +99,48 @@ class Bump(L.Callback):
             flat[0] = torch.nextafter(flat[0], torch.tensor(float("inf")))
 
 
+class Spike(L.Callback):
+    """Scale the logits of the first execution of step ``step`` by 100 (a loss spike that does not come back)."""
+
+    def __init__(self, step: int) -> None:
+        self.step, self.active, self.fired = step, False, False
+
+    def on_train_start(self, trainer, pl_module) -> None:
+        for name, module in pl_module.model.named_modules():
+            if name.endswith("lm_head"):
+                module.register_forward_hook(lambda _m, _i, out: out * 100.0 if self.active else out)
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
+        self.active = trainer.global_step == self.step and not self.fired
+        self.fired = self.fired or self.active
+
+
+class Kill(L.Callback):
+    """SIGKILL this process at the start of step ``step`` after a rollback, on rank ``rank``, first attempt only."""
+
+    def __init__(self, step: int, rank: int, health: TrainingHealth) -> None:
+        self.step, self.rank, self.health = step, rank, health
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
+        first = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0"
+        if first and self.health.rollbacks and trainer.global_step == self.step and trainer.global_rank == self.rank:
+            os.kill(os.getpid(), signal.SIGKILL)
+
+
+def without_window(per_rank: int, dp: int, rank: int, tp: int, window: list[int]):
+    """The training loader of a run whose data never held global batches ``window``: the permutation the
+    distributed sampler gives epoch 0 (seed SEED), those batches taken out, dealt to the dp ranks in order."""
+    from torch.utils.data import DataLoader, DistributedSampler, Subset
+
+    train, _ = make_dataset(per_rank)
+    order = torch.randperm(len(train.dataset), generator=torch.Generator().manual_seed(SEED)).tolist()
+    size = per_rank * dp
+    kept = [i for k in range(len(order) // size) if k not in window for i in order[k * size:(k + 1) * size]]
+    subset = Subset(train.dataset, kept)
+    sampler = DistributedSampler(subset, num_replicas=dp, rank=(rank // tp) % dp, shuffle=False)
+    return DataLoader(subset, batch_size=per_rank, sampler=sampler)
+
+
 def timed(health: TrainingHealth) -> list[float]:
     seconds: list[float] = []
     hook = health.on_before_optimizer_step
@@ -121,18 +170,38 @@ def run(config: dict, out: Path) -> None:
         health = TrainingHealth(consistency_every_n_steps=2)
         seconds = timed(health)
         callbacks += [Bump(2, config["bump_rank"], config["bump_name"]), health]
-    else:
+    elif config["mode"] in ("rollback", "rollback-kill"):
+        health = TrainingHealth(window=2, spike_factor=3.0)
+        seconds = timed(health)
+        folder = out / f"{config['name']}-ckpt"
+        callbacks += [Spike(step), FaultTolerantCheckpoint(folder, every_n_steps=2, async_save=False,
+                                                           save_on_signal=False), health]
+        if config["mode"] == "rollback-kill":
+            callbacks.append(Kill(config["kill_step"], config["kill_rank"], health))
+    elif config["mode"] == "reference":
         callbacks.append(DropGradients(step))
     kwargs = {**make_trainer_kwargs()["trainer"], "max_steps": config["steps"], "val_check_interval": None,
               "limit_val_batches": 0}
     strategy = HybridParallelStrategy(tp=tp, pp=pp, data_parallel=config.get("data_parallel", "fsdp"))
+    if config["mode"] == "window-reference":
+        kwargs["use_distributed_sampler"] = False
+        train = without_window(GLOBAL_BATCH // dp, dp, int(os.environ["RANK"]), tp, config["window"])
+    else:
+        train, _ = make_dataset(GLOBAL_BATCH // dp)
     trainer = L.Trainer(strategy=strategy, devices=world, callbacks=callbacks, **kwargs)
     module = CausalLM(tiny_config(), **make_trainer_kwargs()["module"])
-    train, _ = make_dataset(GLOBAL_BATCH // dp)
+    pid = os.getpid()
     trainer.fit(module, train_dataloaders=train)
     final = full_weights(module.model)
     record = {"losses": losses.losses, "final": final, "around": around.weights, "adam_steps": around.adam_steps,
-              "guard_skipped": strategy.step_guard.skipped}
+              "guard_skipped": strategy.step_guard.skipped, "pids": gather_objects((pid, os.getpid())),
+              "restarts": int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")), "global_step": trainer.global_step}
+    if config["mode"] in ("rollback", "rollback-kill"):
+        from lightning_hybrid.checkpoint.manifest import committed_checkpoints, read_manifest
+
+        record["manifests"] = {c.path.name: read_manifest(c.path).get("data_position")
+                               for c in committed_checkpoints(out / f"{config['name']}-ckpt")}
+        record["rollback_seconds"] = health.rollback_seconds
     if health is not None:
         record.update(events=health.events, skipped_steps=health.skipped_steps, summary=health.summary,
                       metrics=health.last_metrics, hook_seconds=seconds)
@@ -144,7 +213,8 @@ def run(config: dict, out: Path) -> None:
 def main() -> None:
     configs, out = json.loads(Path(sys.argv[1]).read_text()), Path(sys.argv[2])
     for config in configs:
-        run(config, out)
+        if not (out / f"{config['name']}.pt").exists():  # after a restart, finished configurations stay done
+            run(config, out)
 
 
 if __name__ == "__main__":
