@@ -8,12 +8,14 @@ skips that step. ``mode="reference"``: clean data, and at ``poison_step`` a plai
 run whose optimizer never applied that step, built without TrainingHealth or the strategy's skip.
 ``mode="consistency"``: rank ``bump_rank`` moves one weight (named like ``bump_name``) by one ulp after step 2,
 and TrainingHealth checks the replicas every 2 steps.
-``mode="rollback"``: FaultTolerantCheckpoint every 2 steps; the logits of step ``poison_step`` are scaled by 100 (once:
-a spike), TrainingHealth rolls back in process to step 2 and skips the batches since. ``mode="window-reference"``: no
-callback; the data never holds global batches ``window`` (an explicit order without them, the run's permutation).
+``mode="rollback"``: FaultTolerantCheckpoint every 2 steps; the logits of the batches holding global batch
+``poison_step`` are scaled by 100 (a spike in the data), TrainingHealth rolls back in process to step 2 and skips
+the batches since. ``mode="window-reference"``: no callback; the data never holds global batches ``window`` (an
+explicit order without them, the run's permutation).
 ``mode="rollback-kill"``: as ``rollback``, but rank ``kill_rank`` SIGKILLs itself at the start of step ``kill_step``
-on the first attempt; torchrun restarts the workers, which resume from the checkpoint (the records of finished
-configurations are kept, those configurations are not run again).
+when ``$HEALTH_RESUMED`` is not set (the launch then fails); launched again with ``HEALTH_RESUMED=1``, the workers
+resume from the checkpoint (the records of finished configurations are kept, those configurations are not run
+again).
 Rank 0 writes ``<name>.pt``: losses, final weights, the weights after the steps around ``poison_step``, the
 AdamW step counts, the callback's events and counters, and the callback's hook time per step.
 """
@@ -34,7 +36,7 @@ import torch.distributed as dist
 from helpers.equivalence import GLOBAL_BATCH, SEED, LossRecorder, make_dataset, make_trainer_kwargs, tiny_config
 from helpers.gather import full_weights, gather_objects
 from lightning_hybrid import HybridParallelStrategy
-from lightning_hybrid.callbacks import FaultTolerantCheckpoint, TrainingHealth
+from lightning_hybrid.callbacks import FaultTolerantCheckpoint, TrainingHealth, TrainingUnhealthy
 from lightning_hybrid.models import CausalLM
 
 
@@ -100,10 +102,14 @@ class Bump(L.Callback):
 
 
 class Spike(L.Callback):
-    """Scale the logits of the first execution of step ``step`` by 100 (a loss spike that does not come back)."""
+    """Scale the logits by 100 (a loss spike) on the batches that hold samples of global batch ``batch`` of epoch 0:
+    bad data, read once by an uninterrupted run and never by a run that leaves that batch out."""
 
-    def __init__(self, step: int) -> None:
-        self.step, self.active, self.fired = step, False, False
+    def __init__(self, batch: int) -> None:
+        train, _ = make_dataset(GLOBAL_BATCH)
+        order = torch.randperm(len(train.dataset), generator=torch.Generator().manual_seed(SEED)).tolist()
+        self.bad = train.dataset.tensors[0][order[batch * GLOBAL_BATCH:(batch + 1) * GLOBAL_BATCH]]
+        self.active = False
 
     def on_train_start(self, trainer, pl_module) -> None:
         for name, module in pl_module.model.named_modules():
@@ -111,8 +117,7 @@ class Spike(L.Callback):
                 module.register_forward_hook(lambda _m, _i, out: out * 100.0 if self.active else out)
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
-        self.active = trainer.global_step == self.step and not self.fired
-        self.fired = self.fired or self.active
+        self.active = any(torch.equal(row, bad) for row in batch[0] for bad in self.bad)
 
 
 class Kill(L.Callback):
@@ -122,7 +127,7 @@ class Kill(L.Callback):
         self.step, self.rank, self.health = step, rank, health
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
-        first = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0"
+        first = not os.environ.get("HEALTH_RESUMED")
         if first and self.health.rollbacks and trainer.global_step == self.step and trainer.global_rank == self.rank:
             os.kill(os.getpid(), signal.SIGKILL)
 
@@ -171,7 +176,7 @@ def run(config: dict, out: Path) -> None:
         seconds = timed(health)
         callbacks += [Bump(2, config["bump_rank"], config["bump_name"]), health]
     elif config["mode"] in ("rollback", "rollback-kill"):
-        health = TrainingHealth(window=2, spike_factor=3.0)
+        health = TrainingHealth(window=2, spike_factor=3.0, **config.get("health", {}))
         seconds = timed(health)
         folder = out / f"{config['name']}-ckpt"
         callbacks += [Spike(step), FaultTolerantCheckpoint(folder, every_n_steps=2, async_save=False,
@@ -191,7 +196,11 @@ def run(config: dict, out: Path) -> None:
     trainer = L.Trainer(strategy=strategy, devices=world, callbacks=callbacks, **kwargs)
     module = CausalLM(tiny_config(), **make_trainer_kwargs()["module"])
     pid = os.getpid()
-    trainer.fit(module, train_dataloaders=train)
+    try:
+        trainer.fit(module, train_dataloaders=train)
+        exit_code = None
+    except TrainingUnhealthy as stopped:  # what ends the process (SystemExit) when nothing catches it
+        exit_code, message = stopped.code, str(stopped)
     final = full_weights(module.model)
     record = {"losses": losses.losses, "final": final, "around": around.weights, "adam_steps": around.adam_steps,
               "guard_skipped": strategy.step_guard.skipped, "pids": gather_objects((pid, os.getpid())),
@@ -202,6 +211,8 @@ def run(config: dict, out: Path) -> None:
         record["manifests"] = {c.path.name: read_manifest(c.path).get("data_position")
                                for c in committed_checkpoints(out / f"{config['name']}-ckpt")}
         record["rollback_seconds"] = health.rollback_seconds
+    if exit_code is not None:
+        record.update(exit_code=exit_code, message=message)
     if health is not None:
         record.update(events=health.events, skipped_steps=health.skipped_steps, summary=health.summary,
                       metrics=health.last_metrics, hook_seconds=seconds)

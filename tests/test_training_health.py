@@ -1,26 +1,34 @@
-"""TrainingHealth: argument checks; a NaN step skipped on every rank equals a run that never applied it; the
-consistency check names a replica one ulp off."""
+"""TrainingHealth: argument checks; a NaN step skipped on every rank equals a run that never applied it; a spike rolls
+back in process and equals a run whose data never held the window; a run killed after a rollback and resumed skips it
+again, bitwise; max_rollbacks stops with exit code 76; the consistency check names a replica one ulp off."""
 
 from __future__ import annotations
 
 import json
+import signal
 
 import pytest
 import torch
 
 from helpers.launch import TESTS, torchrun
-from lightning_hybrid.callbacks import TrainingHealth
+from lightning_hybrid.callbacks import EXIT_CODE_PREEMPTED, EXIT_CODE_UNHEALTHY, TrainingHealth
 
 POISON_STEP, STEPS = 2, 5
 CONSISTENCY = [dict(name="dp4-bump", tp=1, pp=1, data_parallel="replicate", bump_rank=2, bump_name="proj"),
                dict(name="dp2tp2-bump", tp=2, pp=1, data_parallel="replicate", bump_rank=3, bump_name="norm")]
 LAYOUTS = {"tp2pp2": dict(tp=2, pp=2), "dp2tp2": dict(tp=2, pp=1, data_parallel="replicate")}
+# A spike at step 3 (logits x 100, once); checkpoints every 2 steps: the rollback returns to step 2 and skips global
+# batches 2 and 3 (samples 16..32 of the epoch's permutation), then trains on batches 4 and 5 up to step 4.
+SPIKE = dict(tp=2, pp=2, steps=4, poison_step=3)
+KILL = dict(name="tp2pp2-rollback-kill", mode="rollback-kill", kill_step=3, kill_rank=1, **SPIKE)
 
 
 @pytest.mark.parametrize("kwargs, message", [
     (dict(on_nan="ignore"), "on_nan='ignore' is not a policy"),
     (dict(on_spike="explode"), "on_spike='explode' is not a policy"),
-    (dict(on_spike="rollback"), "on_spike='rollback' is not available yet"),
+    (dict(on_nan="rollback ", on_spike="stop"), "on_nan='rollback ' is not a policy; use one of 'skip', 'rollback'"),
+    (dict(rollback_after=0), "rollback_after=0 must be an integer >= 1"),
+    (dict(skip_batches=4), "skip_batches=4 is not available yet"),
     (dict(spike_factor=1.0), "spike_factor=1.0 must be a finite number > 1.0"),
     (dict(spike_factor=float("nan")), "spike_factor=nan must be a finite number > 1.0"),
     (dict(window=1), "window=1 must be an integer >= 2"),
@@ -52,9 +60,18 @@ def records(tmp_path_factory) -> dict:
     configs = [{"name": f"{layout}-{mode}", "mode": mode, "steps": STEPS, "poison_step": POISON_STEP, **dims}
                for layout, dims in LAYOUTS.items() for mode in ("guard", "reference")]
     configs += [{**c, "mode": "consistency", "steps": 3, "poison_step": 1} for c in CONSISTENCY]
+    configs += [dict(name="tp2pp2-rollback", mode="rollback", **SPIKE),
+                dict(name="tp2pp2-window", mode="window-reference", window=[2, 3], **SPIKE), KILL]
     (out / "configs.json").write_text(json.dumps(configs))
-    torchrun(4, [str(TESTS / "health_worker.py"), str(out / "configs.json"), str(out)], timeout=300)
-    return {c["name"]: torch.load(out / f"{c['name']}.pt", weights_only=False) for c in configs}
+    # The last configuration SIGKILLs rank 1 after its rollback: the launch fails there, the others are done.
+    killed = torchrun(4, [str(TESTS / "health_worker.py"), str(out / "configs.json"), str(out)], timeout=300,
+                      check=False)
+    assert killed.returncode != 0 and f"Signal {int(signal.SIGKILL)} (SIGKILL)" in killed.stderr, killed.stderr[-3000:]
+    resumed = [KILL, dict(name="tp2pp2-stop", mode="rollback", health=dict(max_rollbacks=0), **SPIKE)]
+    (out / "resumed.json").write_text(json.dumps(resumed))
+    torchrun(4, [str(TESTS / "health_worker.py"), str(out / "resumed.json"), str(out)], timeout=300,
+             env={"HEALTH_RESUMED": "1"})
+    return {c["name"]: torch.load(out / f"{c['name']}.pt", weights_only=False) for c in configs + resumed[1:]}
 
 
 def _max_diff(a: dict, b: dict) -> float:
@@ -92,3 +109,42 @@ def test_the_consistency_check_names_the_replica_one_ulp_off(records, config):
     spans = "dp" if config["tp"] == 1 else "dp x tp"
     assert [(e["step"], e["dims"], e["ranks"], e["peers"]) for e in found] == [
         (2, spans.replace(" x ", "x"), [config["bump_rank"]], [r for r in range(4) if r != config["bump_rank"]])]
+
+
+@pytest.mark.distributed
+@pytest.mark.timeout(600)
+def test_a_spike_rolls_back_in_process_and_equals_a_run_whose_data_never_held_the_window(records):
+    run, reference = records["tp2pp2-rollback"], records["tp2pp2-window"]
+    assert [(e["step"], e["kind"], e["action"], e["to_step"], e["skipped"]) for e in run["events"]] == [
+        (3, "spike", "rollback", 2, [0, 16, 32])]
+    # No restart: the same processes from fit start to end on every rank, none counted by torchrun.
+    assert run["restarts"] == 0 and all(before == after for before, after in run["pids"])
+    assert run["summary"].endswith("1 loss spikes, 1 steps skipped, 1 rollbacks")
+    assert run["metrics"]["health/rollbacks"] == 1.0 and run["global_step"] == reference["global_step"] == 4
+    assert run["losses"][3] > 3 * run["losses"][2]  # the spike, then the losses of the run without the window
+    assert run["losses"][:2] + run["losses"][4:] == pytest.approx(reference["losses"], abs=1e-5)
+    assert _max_diff(run["final"], reference["final"]) < 1e-5
+    # The window is in the manifest of the checkpoint returned to and of every later one.
+    assert run["manifests"]["step-000002"]["skips"] == [[0, 16, 32]]
+    assert run["manifests"]["step-000004"]["skips"] == [[0, 16, 32]]
+    assert run["manifests"]["step-000004"]["samples_in_epoch"] == 48 and len(run["rollback_seconds"]) == 1
+
+
+@pytest.mark.distributed
+@pytest.mark.timeout(600)
+def test_a_run_killed_after_a_rollback_resumes_skipping_the_window_again_bitwise(records):
+    uninterrupted, resumed = records["tp2pp2-rollback"], records[KILL["name"]]
+    assert resumed["events"] == []  # resumed from step 2: no spike seen again, the window left out by the sampler
+    assert resumed["manifests"]["step-000004"]["skips"] == [[0, 16, 32]]
+    assert resumed["global_step"] == 4 and resumed["losses"] == uninterrupted["losses"][4:]
+    assert all(torch.equal(resumed["final"][k], uninterrupted["final"][k]) for k in uninterrupted["final"])
+
+
+@pytest.mark.distributed
+@pytest.mark.timeout(600)
+def test_a_spike_beyond_max_rollbacks_saves_and_stops_with_exit_code_76(records):
+    stopped = records["tp2pp2-stop"]
+    assert EXIT_CODE_UNHEALTHY == stopped["exit_code"] == 76 != EXIT_CODE_PREEMPTED
+    assert [(e["step"], e["kind"], e["action"]) for e in stopped["events"]] == [(3, "spike", "stop")]
+    assert "max_rollbacks=0 reached" in stopped["message"] and "checkpoint saved" in stopped["message"]
+    assert stopped["global_step"] == 4 and "step-000004" in stopped["manifests"]
