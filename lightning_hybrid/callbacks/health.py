@@ -20,6 +20,7 @@ import lightning.pytorch as pl
 import torch
 from lightning.pytorch.utilities import rank_zero_warn
 
+from lightning_hybrid.callbacks.recheck import StepInputs, capture, differing_ranks, rerun_local_loss, same_bits
 from lightning_hybrid.callbacks.rollback import (
     EXIT_CODE_UNHEALTHY,
     TrainingUnhealthy,
@@ -61,10 +62,21 @@ def _check_arguments(spike_factor: float, window: int, spike_zscore: Optional[fl
     if skip_batches is not None:
         raise ValueError(f"skip_batches={skip_batches!r} is not available yet; pass None (a rollback skips every "
                          f"batch since the checkpoint it returns to)")
-    if recheck:
-        raise ValueError("recheck=True is not available yet; pass recheck=False")
+    if not isinstance(recheck, bool):
+        raise TypeError(f"recheck={recheck!r} must be True or False")
     if consistency_every_n_steps is not None:
         _check_number("consistency_every_n_steps", consistency_every_n_steps, 1, inclusive=True, integer=True)
+
+
+def _hostnames() -> list[str]:
+    """Every rank's host name, by rank (one object all-gather; once per fit)."""
+    import socket
+
+    import torch.distributed as dist
+
+    hosts = [""] * dist.get_world_size()
+    dist.all_gather_object(hosts, socket.gethostname())
+    return hosts
 
 
 def _ranks_per_stage(strategy: Any) -> int:
@@ -172,8 +184,13 @@ class TrainingHealth(pl.Callback):
             Needs :class:`~lightning_hybrid.HybridParallelStrategy`.
         max_rollbacks: rollbacks allowed in one fit (>= 0); the next event that would roll back stops instead.
         rollback_after: bad steps in a row (each skipped) after which the next one rolls back (>= 1).
-        skip_batches, recheck: reserved (a window shorter than "since the checkpoint", the re-run that tells
-            hardware from data); only their defaults are accepted for now.
+        recheck: on an event, first re-run the step from the same weights, batch and RNG state on every rank
+            (:mod:`~lightning_hybrid.callbacks.recheck`): the same local loss on every rank blames the data (the
+            event's policy applies, ``cause="data"``); a rank whose loss changed is reported with its host as
+            suspected hardware (``cause="hardware"``) and ``on_hardware`` applies.
+        on_hardware: policy when the re-run points at hardware: ``"stop"`` (default: save, exit with code 76, the
+            message names the ranks and hosts for the launcher to exclude) or ``"skip"``.
+        skip_batches: reserved for a window shorter than "since the checkpoint"; only ``None`` for now.
         spike_zscore: also a spike: a loss more than this many standard deviations above the window's mean.
         monitor: the logged metric holding the global mean training loss.
 
@@ -184,12 +201,17 @@ class TrainingHealth(pl.Callback):
     def __init__(self, on_nan: str = "skip", on_spike: str = "rollback", spike_factor: float = 3.0,
                  window: int = 20, skip_batches: Any = None, max_rollbacks: int = 3, recheck: bool = False,
                  consistency_every_n_steps: Optional[int] = None, spike_zscore: Optional[float] = None,
-                 monitor: str = "train_loss", rollback_after: int = 3) -> None:
+                 monitor: str = "train_loss", rollback_after: int = 3, on_hardware: str = "stop") -> None:
         self.on_nan = _check_policy("on_nan", on_nan)
         self.on_spike = _check_policy("on_spike", on_spike)
         _check_arguments(spike_factor, window, spike_zscore, max_rollbacks, skip_batches, recheck,
                          consistency_every_n_steps, rollback_after)
         self.rollback_after = rollback_after
+        if on_hardware not in ("stop", "skip"):
+            raise ValueError(f"on_hardware={on_hardware!r} is not a policy; use 'stop' or 'skip'")
+        self.recheck, self.on_hardware = recheck, on_hardware
+        self._inputs: Optional[StepInputs] = None
+        self._first_loss: Optional[torch.Tensor] = None
         self._bad_in_a_row = 0
         self._pending: Optional[dict[str, Any]] = None  # a rollback or stop decided this step, done at its end
         self.rollback_seconds: list[float] = []
@@ -208,16 +230,15 @@ class TrainingHealth(pl.Callback):
         self._hosts: list[str] = []
 
     def setup(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", stage: str) -> None:
-        if self.consistency_every_n_steps is not None:
-            import socket
+        import torch.distributed as dist
 
+        if self.recheck and dist.is_available() and dist.is_initialized():
+            self._hosts = _hostnames()
+        if self.consistency_every_n_steps is not None:
             if not hasattr(trainer.strategy, "dims"):
                 raise ValueError(f"TrainingHealth's consistency check needs HybridParallelStrategy, not "
                                  f"{type(trainer.strategy).__name__}")
-            import torch.distributed as dist
-
-            self._hosts = [""] * dist.get_world_size()
-            dist.all_gather_object(self._hosts, socket.gethostname())  # once per fit
+            self._hosts = self._hosts or _hostnames()
         guarded = {self.on_nan, self.on_spike} - {"warn"}
         if guarded and not callable(getattr(trainer.strategy, "skip_next_optimizer_step", None)):
             raise ValueError(f"TrainingHealth's {sorted(guarded)[0]!r} policy needs HybridParallelStrategy; "
@@ -261,10 +282,43 @@ class TrainingHealth(pl.Callback):
             return std > 0 and (loss - mean) / std > self.spike_zscore
         return False
 
+    def on_train_batch_start(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", batch: Any,
+                             batch_idx: int) -> None:
+        if self.recheck:
+            self._inputs, self._first_loss = capture(batch, batch_idx), None
+
+    def on_before_backward(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", loss: torch.Tensor) -> None:
+        if self.recheck:
+            self._first_loss = loss.detach().clone()
+
+    def _grad_norm(self, trainer: "pl.Trainer", optimizer: torch.optim.Optimizer) -> float:
+        """The global gradient norm (one scalar all-reduce), handed to the clipping of this step when it is on."""
+        params = [p for group in optimizer.param_groups for p in group["params"]]
+        norm = global_grad_norm(params, _ranks_per_stage(trainer.strategy))
+        handoff = getattr(trainer.strategy.precision_plugin, "hybrid_step_norm", None)
+        if handoff is not None:  # gradient clipping (if on) takes it instead of all-reducing again
+            clipping = trainer.gradient_clip_val and trainer.gradient_clip_algorithm in (None, "norm")
+            handoff.put(norm if clipping else None)
+        return float(norm)
+
+    def _rechecked(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", policy: str) -> tuple[str, dict]:
+        """Re-run the step; (the policy to apply, what the event records of the verdict)."""
+        if not self.recheck or self._inputs is None:
+            return policy, {}
+        again = rerun_local_loss(trainer, pl_module, self._inputs)
+        import torch.distributed as dist
+
+        gloo = not dist.is_initialized() or dist.get_backend() == "gloo"
+        device = torch.device("cpu") if gloo else pl_module.device
+        ranks = differing_ranks(not same_bits(self._first_loss, again), device)
+        if not ranks:
+            return policy, {"cause": "data"}
+        hosts = [self._hosts[r] if r < len(self._hosts) else "" for r in ranks]
+        return self.on_hardware, {"cause": "hardware", "ranks": ranks, "hosts": hosts}
+
     def on_before_optimizer_step(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule",
                                  optimizer: torch.optim.Optimizer) -> None:
-        params = [p for group in optimizer.param_groups for p in group["params"]]
-        grad_norm = float(global_grad_norm(params, _ranks_per_stage(trainer.strategy)))
+        grad_norm = self._grad_norm(trainer, optimizer)
         nonfinite_loss, loss = self._agreed(trainer, pl_module)
         ratio = self.spike_ratio(loss)
         kind = None
@@ -280,9 +334,11 @@ class TrainingHealth(pl.Callback):
                 self._healthy.append(loss)
         else:
             self._bad_in_a_row += 1
-            if policy == "skip" and self._bad_in_a_row > self.rollback_after and self._checkpointer is not None:
+            policy, verdict = self._rechecked(trainer, pl_module, policy)
+            if policy == "skip" and self._bad_in_a_row > self.rollback_after and self._checkpointer is not None \
+                    and verdict.get("cause") != "hardware":
                 policy = "rollback"
-            self._act(trainer, step, kind, policy, loss, grad_norm)
+            self._act(trainer, step, kind, policy, loss, grad_norm, verdict)
         self.last_metrics = {"health/skipped_steps": float(self.skipped_steps), "health/rollbacks": float(
             self.rollbacks), "health/grad_norm": grad_norm, "health/loss_spike_ratio": ratio}
         if trainer.is_global_zero:
@@ -290,11 +346,11 @@ class TrainingHealth(pl.Callback):
                 logger.log_metrics(self.last_metrics, step=step)
 
     def _act(self, trainer: "pl.Trainer", step: int, kind: str, policy: str, loss: Optional[float],
-             grad_norm: float) -> None:
+             grad_norm: float, verdict: dict) -> None:
         if policy != "warn":
             trainer.strategy.skip_next_optimizer_step()
             self.skipped_steps += 1
-        event = {"step": step, "kind": kind, "action": policy, "loss": loss, "grad_norm": grad_norm}
+        event = {"step": step, "kind": kind, "action": policy, "loss": loss, "grad_norm": grad_norm, **verdict}
         self.events.append(event)
         if policy in ("rollback", "stop"):
             self._pending = event
@@ -310,6 +366,10 @@ class TrainingHealth(pl.Callback):
         if event["action"] == "rollback" and self.rollbacks >= self.max_rollbacks:
             event["action"] = "stop"
             reason = f"max_rollbacks={self.max_rollbacks} reached and step {event['step']} has a {event['kind']}"
+        elif event.get("cause") == "hardware":
+            names = ", ".join(f"rank {r} ({h})" for r, h in zip(event["ranks"], event["hosts"]))
+            reason = (f"hardware suspected: {names} computed another result when step {event['step']} was re-run "
+                      f"from the same state and batch; exclude that node and resume")
         else:
             reason = f"step {event['step']} has a {event['kind']} (on_{event['kind']}='stop')"
         if event["action"] == "stop":

@@ -14,7 +14,7 @@ from typing import Any, Iterable, Optional
 import torch
 from torch import Tensor
 
-__all__ = ["global_grad_norm", "clip_grad_norm_global", "use_global_norm_clipping"]
+__all__ = ["global_grad_norm", "clip_grad_norm_global", "use_global_norm_clipping", "StepNorm"]
 
 
 def _is_split(placement: object) -> bool:
@@ -57,12 +57,32 @@ def global_grad_norm(parameters: Iterable[Tensor], ranks_per_stage: int, group: 
     return total.sqrt().to(device)
 
 
+class StepNorm:
+    """The global gradient norm of the optimizer step in progress, handed from whoever computed it first to the
+    clipping of the same step, so that one all-reduce serves both (:class:`~lightning_hybrid.callbacks.TrainingHealth`
+    runs in ``on_before_optimizer_step``, Lightning clips right after). Valid only while no one changes the
+    gradients in between; the clipping takes it (once)."""
+
+    def __init__(self) -> None:
+        self._value: Optional[Tensor] = None
+        self.reused = 0  # clippings that took a handed norm instead of computing one
+
+    def put(self, norm: Tensor) -> None:
+        self._value = norm
+
+    def take(self) -> Optional[Tensor]:
+        value, self._value = self._value, None
+        self.reused += value is not None
+        return value
+
+
 @torch.no_grad()
 def clip_grad_norm_global(parameters: Iterable[Tensor], max_norm: float, ranks_per_stage: int,
-                          group: Optional[object] = None) -> Tensor:
-    """Scale all gradients so their global norm is at most ``max_norm`` (torch's formula); returns the norm."""
+                          group: Optional[object] = None, norm: Optional[Tensor] = None) -> Tensor:
+    """Scale all gradients so their global norm is at most ``max_norm`` (torch's formula); returns the norm.
+    ``norm``: the global norm of these gradients when already known (no collective then)."""
     params = [p for p in parameters if p.grad is not None]
-    norm = global_grad_norm(params, ranks_per_stage, group)
+    norm = global_grad_norm(params, ranks_per_stage, group) if norm is None else norm
     coef = min(1.0, max_norm / (float(norm) + 1e-6))
     if coef < 1.0:
         for p in params:
@@ -77,10 +97,14 @@ def use_global_norm_clipping(precision_plugin: Any, ranks_per_stage: int) -> Non
     torch's per-rank ``clip_grad_norm_``: under a pipeline that clips each stage by its own norm. A strategy
     has no clipping hook, and the plugin's class varies with the precision, so its ``clip_grad_by_norm`` is
     replaced on this plugin instance. ``tests/test_torch_private_apis.py`` checks that Lightning still routes
-    ``clip_gradients(..., "norm")`` through that method.
+    ``clip_gradients(..., "norm")`` through that method. The plugin also gets a :class:`StepNorm` as
+    ``hybrid_step_norm``: a norm put there earlier in the same step is used instead of a second all-reduce.
     """
+    step_norm = StepNorm()
+
     def clip_grad_by_norm(optimizer: torch.optim.Optimizer, clip_val: float) -> None:
         params = [p for group in optimizer.param_groups for p in group["params"]]
-        clip_grad_norm_global(params, float(clip_val), ranks_per_stage)
+        clip_grad_norm_global(params, float(clip_val), ranks_per_stage, norm=step_norm.take())
 
     precision_plugin.clip_grad_by_norm = clip_grad_by_norm
+    precision_plugin.hybrid_step_norm = step_norm
