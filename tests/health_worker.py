@@ -12,6 +12,8 @@ and TrainingHealth checks the replicas every 2 steps.
 ``poison_step`` are scaled by 100 (a spike in the data), TrainingHealth rolls back in process to step 2 and skips
 the batches since. ``mode="window-reference"``: no callback; the data never holds global batches ``window`` (an
 explicit order without them, the run's permutation).
+``mode="hardware"``: rank ``fault_rank`` computes NaN in the first execution of step ``poison_step`` only, under
+``TrainingHealth(recheck=True)``.
 ``mode="rollback-kill"``: as ``rollback``, but rank ``kill_rank`` SIGKILLs itself at the start of step ``kill_step``
 when ``$HEALTH_RESUMED`` is not set (the launch then fails); launched again with ``HEALTH_RESUMED=1``, the workers
 resume from the checkpoint (the records of finished configurations are kept, those configurations are not run
@@ -120,6 +122,30 @@ class Spike(L.Callback):
         self.active = any(torch.equal(row, bad) for row in batch[0] for bad in self.bad)
 
 
+class Fault(L.Callback):
+    """A transient fault on rank ``rank``: its embedding output is NaN in the first forward of step ``step`` only
+    (the re-run of that step computes right)."""
+
+    def __init__(self, step: int, rank: int) -> None:
+        self.step, self.rank, self.armed, self.fired = step, rank, False, False
+
+    def on_train_start(self, trainer, pl_module) -> None:
+        if trainer.global_rank != self.rank:
+            return
+        for name, module in pl_module.model.named_modules():
+            if name.endswith("embed_tokens"):
+                module.register_forward_hook(self._hook)
+
+    def _hook(self, module, inputs, out):
+        if not self.armed:
+            return out
+        self.armed, self.fired = False, True
+        return out * float("nan")
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
+        self.armed = trainer.global_step == self.step and not self.fired
+
+
 class Kill(L.Callback):
     """SIGKILL this process at the start of step ``step`` after a rollback, on rank ``rank``, first attempt only."""
 
@@ -183,6 +209,10 @@ def run(config: dict, out: Path) -> None:
                                                            save_on_signal=False), health]
         if config["mode"] == "rollback-kill":
             callbacks.append(Kill(config["kill_step"], config["kill_rank"], health))
+    elif config["mode"] == "hardware":
+        health = TrainingHealth(recheck=True)
+        seconds = timed(health)
+        callbacks += [Fault(step, config["fault_rank"]), health]
     elif config["mode"] == "reference":
         callbacks.append(DropGradients(step))
     kwargs = {**make_trainer_kwargs()["trainer"], "max_steps": config["steps"], "val_check_interval": None,

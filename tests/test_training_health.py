@@ -60,6 +60,10 @@ def records(tmp_path_factory) -> dict:
     configs = [{"name": f"{layout}-{mode}", "mode": mode, "steps": STEPS, "poison_step": POISON_STEP, **dims}
                for layout, dims in LAYOUTS.items() for mode in ("guard", "reference")]
     configs += [{**c, "mode": "consistency", "steps": 3, "poison_step": 1} for c in CONSISTENCY]
+    configs += [dict(name="tp2pp2-recheck", mode="guard", steps=STEPS, poison_step=POISON_STEP,
+                     health=dict(recheck=True), **LAYOUTS["tp2pp2"]),
+                dict(name="dp4-hardware", mode="hardware", steps=STEPS, poison_step=POISON_STEP, fault_rank=2, tp=1,
+                     pp=1)]
     configs += [dict(name="tp2pp2-rollback", mode="rollback", **SPIKE),
                 dict(name="tp2pp2-window", mode="window-reference", window=[2, 3], **SPIKE), KILL]
     (out / "configs.json").write_text(json.dumps(configs))
@@ -148,3 +152,24 @@ def test_a_spike_beyond_max_rollbacks_saves_and_stops_with_exit_code_76(records)
     assert [(e["step"], e["kind"], e["action"]) for e in stopped["events"]] == [(3, "spike", "stop")]
     assert "max_rollbacks=0 reached" in stopped["message"] and "checkpoint saved" in stopped["message"]
     assert stopped["global_step"] == 4 and "step-000004" in stopped["manifests"]
+
+
+@pytest.mark.distributed
+@pytest.mark.timeout(600)
+def test_recheck_blames_a_deterministic_bad_batch_on_the_data_and_leaves_the_run_as_without_it(records):
+    run, reference = records["tp2pp2-recheck"], records["tp2pp2-reference"]
+    assert [(e["step"], e["kind"], e["action"], e["cause"]) for e in run["events"]] == [
+        (POISON_STEP, "nan", "skip", "data")]
+    assert _max_diff(run["final"], reference["final"]) < 1e-5  # the re-run changed nothing of the trajectory
+
+
+@pytest.mark.distributed
+@pytest.mark.timeout(600)
+def test_recheck_reports_a_fault_on_one_rank_first_execution_as_hardware_naming_it(records):
+    import socket
+
+    run = records["dp4-hardware"]
+    assert [(e["step"], e["kind"], e["action"], e["cause"], e["ranks"]) for e in run["events"]] == [
+        (POISON_STEP, "nan", "stop", "hardware", [2])]
+    assert run["exit_code"] == EXIT_CODE_UNHEALTHY
+    assert f"hardware suspected: rank 2 ({socket.gethostname()}) computed another result" in run["message"]
