@@ -35,11 +35,12 @@ KILL = dict(name="tp2pp2-rollback-kill", mode="rollback-kill", kill_step=3, kill
     (dict(window=2.5), "window=2.5 must be an integer >= 2"),
     (dict(spike_zscore=0), "spike_zscore=0 must be a finite number > 0.0"),
     (dict(max_rollbacks=-1), "max_rollbacks=-1 must be an integer >= 0"),
-    (dict(recheck=True), "recheck=True is not available yet"),
+    (dict(recheck="yes"), "recheck='yes' must be True or False"),
+    (dict(on_hardware="warn"), "on_hardware='warn' is not a policy; use 'stop' or 'skip'"),
     (dict(consistency_every_n_steps=0), "consistency_every_n_steps=0 must be an integer >= 1"),
 ])
 def test_invalid_arguments_fail_in_one_line(kwargs, message):
-    with pytest.raises(ValueError) as info:
+    with pytest.raises((ValueError, TypeError)) as info:
         TrainingHealth(**kwargs)
     assert str(info.value).startswith(message) and "\n" not in str(info.value)
 
@@ -173,3 +174,114 @@ def test_recheck_reports_a_fault_on_one_rank_first_execution_as_hardware_naming_
         (POISON_STEP, "nan", "stop", "hardware", [2])]
     assert run["exit_code"] == EXIT_CODE_UNHEALTHY
     assert f"hardware suspected: rank 2 ({socket.gethostname()}) computed another result" in run["message"]
+
+
+def _global_batches(dp: int, resume: int, skips: list) -> list[set]:
+    """The global batches (sets of sample indices) that ``dp`` resumable samplers yield together."""
+    from lightning_hybrid.data.sampler import ResumableDistributedSampler
+
+    per_rank = []
+    for rank in range(dp):
+        sampler = ResumableDistributedSampler(list(range(48)), num_replicas=dp, rank=rank, seed=5)
+        if resume:
+            sampler.resume_from(0, resume, counted=resume)
+        for skip in skips:
+            sampler.add_skip(*skip)
+        sampler.set_epoch(0)
+        per_rank.append(list(sampler))
+    size = 8 // dp
+    steps = len(per_rank[0]) // size
+    return [set().union(*(chunk[k * size:(k + 1) * size] for chunk in per_rank)) for k in range(steps)]
+
+
+@pytest.mark.parametrize("dp", [1, 2, 4])
+def test_the_sampler_leaves_a_skipped_range_out_the_same_on_any_number_of_dp_ranks(dp):
+    order = torch.randperm(48, generator=torch.Generator().manual_seed(5)).tolist()
+    blocks = [set(order[k * 8:(k + 1) * 8]) for k in range(6)]
+    assert _global_batches(dp, 0, [(0, 16, 32)]) == [blocks[0], blocks[1], blocks[4], blocks[5]]
+    # Resumed at the start of the range (the checkpoint a rollback returned to): it goes on after the range.
+    assert _global_batches(dp, 16, [(0, 16, 32)]) == [blocks[4], blocks[5]]
+    assert _global_batches(dp, 16, [(1, 16, 32)]) == blocks[2:]  # another epoch's range is not this one's
+
+
+def test_the_data_position_passes_over_left_out_ranges_and_counts_only_what_was_trained():
+    from lightning_hybrid.data.sampler import ResumableDistributedSampler
+
+    sampler = ResumableDistributedSampler(list(range(48)), num_replicas=2, rank=0, seed=5)
+    sampler.resume_from(0, 16, counted=16)
+    sampler.add_skip(0, 16, 32)
+    sampler.add_skip(0, 40, 48)
+    list(sampler)
+    # Lightning counted 16 samples at the resume, then 8 more were trained on (global positions 32..40).
+    assert [sampler.position(c) for c in (16, 24)] == [16, 40]
+    sampler.add_skip(0, 8, 16)  # recorded during an iteration: that iteration is unchanged
+    assert sampler.position(24) == 40 and sampler.skips == [(0, 16, 32), (0, 40, 48), (0, 8, 16)]
+    with pytest.raises(ValueError, match=r"skip range \[3, 9\) must be non-empty and on multiples of the 2"):
+        sampler.add_skip(0, 3, 9)
+
+
+def test_a_rollback_writes_the_skipped_range_into_every_committed_manifest_which_still_verifies(tmp_path):
+    from lightning_hybrid.checkpoint.manifest import file_record, read_manifest, record_skips, write_manifest
+    from lightning_hybrid.checkpoint.verify import verify_checkpoint
+
+    for step in (2, 4):
+        folder = tmp_path / f"step-{step:06d}"
+        folder.mkdir()
+        (folder / "shard").write_bytes(b"x" * step)
+        write_manifest(folder, {"shard": file_record(folder / "shard")},
+                       {"step": step, "data_position": {"epoch": 0, "samples_in_epoch": 8 * step}})
+    (tmp_path / "step-000006.tmp").mkdir()  # not committed: left alone
+    assert record_skips(tmp_path, [[0, 16, 32]]) == [tmp_path / "step-000004", tmp_path / "step-000002"]
+    record_skips(tmp_path, [[0, 16, 32], [1, 0, 8]])
+    for step in (2, 4):
+        verify_checkpoint(tmp_path / f"step-{step:06d}")
+        assert read_manifest(tmp_path / f"step-{step:06d}")["data_position"]["skips"] == [[0, 16, 32], [1, 0, 8]]
+
+
+def test_norm_clipping_takes_the_global_norm_training_health_computed_instead_of_all_reducing_again(monkeypatch):
+    from types import SimpleNamespace
+
+    from lightning_hybrid.distributed import clip_grad
+
+    plugin = SimpleNamespace()
+    clip_grad.use_global_norm_clipping(plugin, 1)
+    param = torch.nn.Parameter(torch.ones(4))
+    param.grad = torch.full((4,), 3.0)  # norm 6
+    optimizer = torch.optim.SGD([param], lr=0.1)
+    trainer = SimpleNamespace(strategy=SimpleNamespace(precision_plugin=plugin, world_size=1), gradient_clip_val=1.0,
+                              gradient_clip_algorithm=None)
+    health = TrainingHealth()
+    assert health._grad_norm(trainer, optimizer) == pytest.approx(6.0)
+
+    def no_second_norm(*args, **kwargs):
+        raise AssertionError("the clipping computed the norm again")
+
+    monkeypatch.setattr(clip_grad, "global_grad_norm", no_second_norm)
+    plugin.clip_grad_by_norm(optimizer, 1.0)
+    assert plugin.hybrid_step_norm.reused == 1 and float(param.grad.norm()) == pytest.approx(1.0, rel=1e-5)
+    with pytest.raises(AssertionError, match="computed the norm again"):  # nothing handed: it computes its own
+        plugin.clip_grad_by_norm(optimizer, 1.0)
+    trainer.gradient_clip_val = None  # clipping off: nothing is handed, so nothing stale is left for later
+    monkeypatch.undo()
+    health._grad_norm(trainer, optimizer)
+    assert plugin.hybrid_step_norm.take() is None
+
+
+def test_bad_steps_in_a_row_beyond_rollback_after_escalate_from_skip_to_rollback():
+    from types import SimpleNamespace
+
+    skips = []
+    strategy = SimpleNamespace(world_size=1, precision_plugin=SimpleNamespace(),
+                               skip_next_optimizer_step=lambda: skips.append(1))
+    trainer = SimpleNamespace(strategy=strategy, callback_metrics={"train_loss": torch.tensor(float("nan"))},
+                              global_step=0, is_global_zero=True, loggers=[], gradient_clip_val=None,
+                              gradient_clip_algorithm=None)
+    param = torch.nn.Parameter(torch.ones(2))
+    param.grad = torch.ones(2)
+    health = TrainingHealth(rollback_after=2)
+    health._checkpointer = object()  # a FaultTolerantCheckpoint is there to return to
+    for step in range(3):
+        trainer.global_step = step
+        health.on_before_optimizer_step(trainer, None, torch.optim.SGD([param], lr=0.1))
+    assert [e["action"] for e in health.events] == ["skip", "skip", "rollback"] and len(skips) == 3
+    assert health._pending is health.events[-1]  # done at the end of the step, on every rank together
