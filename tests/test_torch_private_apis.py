@@ -14,7 +14,9 @@ Wrappers (in ``lightning_hybrid.distributed``) and the private APIs they use:
 - ``clip_grad.use_global_norm_clipping``: Lightning's ``Precision.clip_gradients(optimizer, val, "norm")`` calling
   ``self.clip_grad_by_norm(optimizer, val)``;
 - ``clip_grad._is_split``: ``torch.distributed.tensor.placement_types._StridedShard``;
-- ``init_weights.local_region``: ``torch.distributed.tensor._utils.compute_local_shape_and_global_offset``.
+- ``init_weights.local_region``: ``torch.distributed.tensor._utils.compute_local_shape_and_global_offset``;
+- ``callbacks.rollback._restore_counters``: Lightning's ``_TrainingEpochLoop._batches_that_stepped`` and the fit
+  loop's state-dict keys ``epoch_loop.automatic_optimization.optim_progress`` and ``epoch_loop.state_dict``.
 
 All single-process: the pipeline schedules are built over stand-in stages, the clipping runs without a process
 group, and the DeviceMesh tests use a one-process gloo group on 127.0.0.1 (destroyed after each test).
@@ -42,6 +44,7 @@ LIGHTNING_NAMES = "lightning_hybrid.distributed.parallel_dims._lightning_names"
 GLOBAL_NORM_CLIPPING = "lightning_hybrid.distributed.clip_grad.use_global_norm_clipping"
 IS_SPLIT = "lightning_hybrid.distributed.clip_grad._is_split"
 LOCAL_REGION = "lightning_hybrid.distributed.init_weights.local_region"
+RESTORE_COUNTERS = "lightning_hybrid.callbacks.rollback._restore_counters"
 
 
 def broken(wrapper: str, what: str) -> str:
@@ -300,3 +303,30 @@ def test_local_region_reads_the_shard_shape_and_offset(gloo_world):
     assert (tuple(shape), tuple(offset)) == ((4, 3), (0, 0)), broken(
         LOCAL_REGION, f"compute_local_shape_and_global_offset returned {shape}, {offset} (not local shape, offset)")
     assert torch.equal(local, full) and global_shape == (4, 3) and global_offset == (0, 0)
+
+
+# ---------------------------------------------------------------------------------- rollback of the loop counters
+
+
+def test_a_rollback_restores_the_optimizer_step_counter_and_the_logging_step_of_a_checkpoint():
+    from types import SimpleNamespace
+
+    import lightning as L
+
+    restore = wrapper_function(RESTORE_COUNTERS)
+    trainer = L.Trainer(logger=False, enable_checkpointing=False, enable_progress_bar=False)
+    epoch_loop = trainer.fit_loop.epoch_loop
+    assert hasattr(epoch_loop, "_batches_that_stepped"), broken(RESTORE_COUNTERS, "_batches_that_stepped is gone")
+    step = epoch_loop.automatic_optimization.optim_progress.optimizer.step.total
+    step.ready = step.completed = 2
+    epoch_loop._batches_that_stepped = 1
+    saved = trainer.fit_loop.state_dict()
+    assert {"epoch_loop.automatic_optimization.optim_progress", "epoch_loop.state_dict"} <= set(saved), broken(
+        RESTORE_COUNTERS, f"the fit loop's state-dict keys changed: {sorted(saved)}")
+    step.ready = step.completed = 7
+    epoch_loop._batches_that_stepped = 6
+    with blame(RESTORE_COUNTERS):
+        restore(SimpleNamespace(fit_loop=trainer.fit_loop, lr_scheduler_configs=[]), {"loops": {"fit_loop": saved}})
+    stepped = epoch_loop._batches_that_stepped
+    assert trainer.global_step == 2 and stepped == 1, broken(
+        RESTORE_COUNTERS, f"restored global_step {trainer.global_step}, _batches_that_stepped {stepped}; expected 2, 1")

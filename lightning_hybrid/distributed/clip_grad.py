@@ -14,7 +14,7 @@ from typing import Any, Iterable, Optional
 import torch
 from torch import Tensor
 
-__all__ = ["global_grad_norm", "clip_grad_norm_global", "use_global_norm_clipping", "StepNorm"]
+__all__ = ["global_grad_norm", "clip_grad_norm_global", "use_global_norm_clipping", "StepNorm", "scale_to_max_norm"]
 
 
 def _is_split(placement: object) -> bool:
@@ -67,7 +67,7 @@ class StepNorm:
         self._value: Optional[Tensor] = None
         self.reused = 0  # clippings that took a handed norm instead of computing one
 
-    def put(self, norm: Tensor) -> None:
+    def put(self, norm: Optional[Tensor]) -> None:
         self._value = norm
 
     def take(self) -> Optional[Tensor]:
@@ -78,11 +78,16 @@ class StepNorm:
 
 @torch.no_grad()
 def clip_grad_norm_global(parameters: Iterable[Tensor], max_norm: float, ranks_per_stage: int,
-                          group: Optional[object] = None, norm: Optional[Tensor] = None) -> Tensor:
-    """Scale all gradients so their global norm is at most ``max_norm`` (torch's formula); returns the norm.
-    ``norm``: the global norm of these gradients when already known (no collective then)."""
+                          group: Optional[object] = None) -> Tensor:
+    """Scale all gradients so their global norm is at most ``max_norm`` (torch's formula); returns the norm."""
     params = [p for p in parameters if p.grad is not None]
-    norm = global_grad_norm(params, ranks_per_stage, group) if norm is None else norm
+    return scale_to_max_norm(params, max_norm, global_grad_norm(params, ranks_per_stage, group))
+
+
+@torch.no_grad()
+def scale_to_max_norm(parameters: Iterable[Tensor], max_norm: float, norm: Tensor) -> Tensor:
+    """Scale the gradients whose global norm is ``norm`` (known already: no collective) to at most ``max_norm``."""
+    params = [p for p in parameters if p.grad is not None]
     coef = min(1.0, max_norm / (float(norm) + 1e-6))
     if coef < 1.0:
         for p in params:
@@ -104,7 +109,11 @@ def use_global_norm_clipping(precision_plugin: Any, ranks_per_stage: int) -> Non
 
     def clip_grad_by_norm(optimizer: torch.optim.Optimizer, clip_val: float) -> None:
         params = [p for group in optimizer.param_groups for p in group["params"]]
-        clip_grad_norm_global(params, float(clip_val), ranks_per_stage, norm=step_norm.take())
+        handed = step_norm.take()
+        if handed is None:
+            clip_grad_norm_global(params, float(clip_val), ranks_per_stage)
+        else:
+            scale_to_max_norm(params, float(clip_val), handed)
 
     precision_plugin.clip_grad_by_norm = clip_grad_by_norm
     precision_plugin.hybrid_step_norm = step_norm
