@@ -16,7 +16,9 @@ Wrappers (in ``lightning_hybrid.distributed``) and the private APIs they use:
 - ``clip_grad._is_split``: ``torch.distributed.tensor.placement_types._StridedShard``;
 - ``init_weights.local_region``: ``torch.distributed.tensor._utils.compute_local_shape_and_global_offset``;
 - ``callbacks.rollback._restore_counters``: Lightning's ``_TrainingEpochLoop._batches_that_stepped`` and the fit
-  loop's state-dict keys ``epoch_loop.automatic_optimization.optim_progress`` and ``epoch_loop.state_dict``.
+  loop's state-dict keys ``epoch_loop.automatic_optimization.optim_progress`` and ``epoch_loop.state_dict``;
+- ``callbacks.rollback._rewind``: the fit loop's ``_data_fetcher`` (``iter()`` makes its iterator anew, ``fetched``
+  counts the epoch's batches) and its state-dict key ``epoch_loop.batch_progress``.
 
 All single-process: the pipeline schedules are built over stand-in stages, the clipping runs without a process
 group, and the DeviceMesh tests use a one-process gloo group on 127.0.0.1 (destroyed after each test).
@@ -45,6 +47,7 @@ GLOBAL_NORM_CLIPPING = "lightning_hybrid.distributed.clip_grad.use_global_norm_c
 IS_SPLIT = "lightning_hybrid.distributed.clip_grad._is_split"
 LOCAL_REGION = "lightning_hybrid.distributed.init_weights.local_region"
 RESTORE_COUNTERS = "lightning_hybrid.callbacks.rollback._restore_counters"
+REWIND = "lightning_hybrid.callbacks.rollback._rewind"
 
 
 def broken(wrapper: str, what: str) -> str:
@@ -330,3 +333,24 @@ def test_a_rollback_restores_the_optimizer_step_counter_and_the_logging_step_of_
     stepped = epoch_loop._batches_that_stepped
     assert trainer.global_step == 2 and stepped == 1, broken(
         RESTORE_COUNTERS, f"restored global_step {trainer.global_step}, _batches_that_stepped {stepped}; expected 2, 1")
+
+
+def test_the_fit_loop_keeps_a_data_fetcher_that_iter_restarts_and_counts_fetched_batches():
+    import lightning as L
+    from lightning.pytorch.loops.fetchers import _DataFetcher
+    from lightning.pytorch.utilities.combined_loader import CombinedLoader
+
+    wrapper_function(REWIND)
+    trainer = L.Trainer(logger=False, enable_checkpointing=False, enable_progress_bar=False)
+    assert hasattr(trainer.fit_loop, "_data_fetcher"), broken(REWIND, "FitLoop._data_fetcher is gone")
+    assert "epoch_loop.batch_progress" in trainer.fit_loop.state_dict(), broken(REWIND, "no epoch_loop.batch_progress")
+    fetcher = _DataFetcher()
+    fetcher.setup(CombinedLoader([10, 20, 30]))
+    with blame(REWIND):
+        iter(fetcher)
+        next(fetcher)
+        iter(fetcher)  # anew: from the first batch again, nothing counted
+        fetcher.fetched += 1
+        assert next(fetcher)[0] == 10 and fetcher.fetched == 2 and not fetcher.done
+        next(fetcher)
+    assert fetcher.done, broken(REWIND, "the fetcher does not end the epoch at fetched == length")

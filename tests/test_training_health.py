@@ -28,7 +28,7 @@ KILL = dict(name="tp2pp2-rollback-kill", mode="rollback-kill", kill_step=3, kill
     (dict(on_spike="explode"), "on_spike='explode' is not a policy"),
     (dict(on_nan="rollback ", on_spike="stop"), "on_nan='rollback ' is not a policy; use one of 'skip', 'rollback'"),
     (dict(rollback_after=0), "rollback_after=0 must be an integer >= 1"),
-    (dict(skip_batches=4), "skip_batches=4 is not available yet"),
+    (dict(skip_batches=0), "skip_batches=0 must be an integer >= 1"),
     (dict(spike_factor=1.0), "spike_factor=1.0 must be a finite number > 1.0"),
     (dict(spike_factor=float("nan")), "spike_factor=nan must be a finite number > 1.0"),
     (dict(window=1), "window=1 must be an integer >= 2"),
@@ -66,6 +66,8 @@ def records(tmp_path_factory) -> dict:
                      pp=1)]
     configs += [dict(name="tp2pp2-rollback", mode="rollback", **SPIKE),
                 dict(name="tp2pp2-window", mode="window-reference", window=[2, 3], **SPIKE),
+                dict(name="tp2pp2-rollback-last1", mode="rollback", health=dict(skip_batches=1), **SPIKE),
+                dict(name="tp2pp2-window3", mode="window-reference", window=[3], **SPIKE),
                 dict(name="tp2pp2-stop", mode="rollback", health=dict(max_rollbacks=0), **SPIKE), KILL]
     (out / "configs.json").write_text(json.dumps(configs))
     # The last configuration SIGKILLs rank 1 after its rollback: the launch fails there, the others are done.
@@ -250,7 +252,8 @@ def test_norm_clipping_takes_the_global_norm_training_health_computed_instead_of
     trainer = SimpleNamespace(strategy=SimpleNamespace(precision_plugin=plugin, world_size=1), gradient_clip_val=1.0,
                               gradient_clip_algorithm=None)
     health = TrainingHealth()
-    assert health._grad_norm(trainer, optimizer) == pytest.approx(6.0)
+    trainer.callback_metrics = {"train_loss": torch.tensor(2.5)}
+    assert health._measure(trainer, None, optimizer) == (False, 2.5, pytest.approx(6.0))
 
     def no_second_norm(*args, **kwargs):
         raise AssertionError("the clipping computed the norm again")
@@ -262,7 +265,7 @@ def test_norm_clipping_takes_the_global_norm_training_health_computed_instead_of
         plugin.clip_grad_by_norm(optimizer, 1.0)
     trainer.gradient_clip_val = None  # clipping off: nothing is handed, so nothing stale is left for later
     monkeypatch.undo()
-    health._grad_norm(trainer, optimizer)
+    health._measure(trainer, None, optimizer)
     assert plugin.hybrid_step_norm.take() is None
 
 
@@ -284,3 +287,16 @@ def test_bad_steps_in_a_row_beyond_rollback_after_escalate_from_skip_to_rollback
         health.on_before_optimizer_step(trainer, None, torch.optim.SGD([param], lr=0.1))
     assert [e["action"] for e in health.events] == ["skip", "skip", "rollback"] and len(skips) == 3
     assert health._pending is health.events[-1]  # done at the end of the step, on every rank together
+
+
+@pytest.mark.distributed
+@pytest.mark.timeout(600)
+def test_a_rollback_with_skip_batches_reads_the_batches_before_the_window_again(records):
+    run, reference = records["tp2pp2-rollback-last1"], records["tp2pp2-window3"]
+    assert [(e["step"], e["action"], e["to_step"], e["skipped"]) for e in run["events"]] == [
+        (3, "rollback", 2, [0, 24, 32])]
+    # Batch 2 trained twice (before and after the rollback, from the same state), batch 3 never again, then 4.
+    assert run["losses"][:2] + run["losses"][4:] == pytest.approx(reference["losses"], abs=1e-5)
+    assert run["losses"][2] == pytest.approx(run["losses"][4], abs=1e-6)
+    assert _max_diff(run["final"], reference["final"]) < 1e-5
+    assert run["manifests"]["step-000004"]["skips"] == [[0, 24, 32]]

@@ -1,10 +1,10 @@
 """Training health: guards against a non-finite loss or gradient and against loss spikes.
 
 Every optimizer step, between backward and the update, :class:`TrainingHealth` checks the monitored loss (the
-global mean that the LightningModule logs) and the global gradient norm (:func:`~lightning_hybrid.distributed.
-clip_grad.global_grad_norm`: one scalar all-reduce over every stage and shard). One small all-reduce of
-``[non-finite flag, loss]`` (MAX) makes every rank decide alike; the spike test then runs on the same numbers on
-every rank. A step whose policy is ``"skip"`` is not applied on any rank (weights and optimizer state unchanged,
+global mean that the LightningModule logs) and the global gradient norm over every stage and shard. One small
+all-reduce carries both (each rank's share of the squared norm, a non-finite flag, the loss) and makes every rank
+decide alike; with norm clipping on, the clipping of the same step reuses that norm (no second all-reduce). A
+step whose policy is ``"skip"`` is not applied on any rank (weights and optimizer state unchanged,
 the step counter and LR schedule advance): the callback asks the strategy, through
 ``strategy.skip_next_optimizer_step()`` (:class:`~lightning_hybrid.HybridParallelStrategy`).
 """
@@ -29,7 +29,7 @@ from lightning_hybrid.callbacks.rollback import (
     roll_back,
     stop,
 )
-from lightning_hybrid.distributed.clip_grad import global_grad_norm
+from lightning_hybrid.distributed.clip_grad import local_grad_square_sum
 
 __all__ = ["TrainingHealth", "POLICIES", "EXIT_CODE_UNHEALTHY", "TrainingUnhealthy"]
 
@@ -61,8 +61,7 @@ def _check_arguments(spike_factor: float, window: int, spike_zscore: Optional[fl
         _check_number("spike_zscore", spike_zscore, 0.0, inclusive=False)
     _check_number("max_rollbacks", max_rollbacks, 0, inclusive=True, integer=True)
     if skip_batches is not None:
-        raise ValueError(f"skip_batches={skip_batches!r} is not available yet; pass None (a rollback skips every "
-                         f"batch since the checkpoint it returns to)")
+        _check_number("skip_batches", skip_batches, 1, inclusive=True, integer=True)
     if not isinstance(recheck, bool):
         raise TypeError(f"recheck={recheck!r} must be True or False")
     if consistency_every_n_steps is not None:
@@ -131,7 +130,9 @@ class TrainingHealth(pl.Callback):
             suspected hardware (``cause="hardware"``) and ``on_hardware`` applies.
         on_hardware: policy when the re-run points at hardware: ``"stop"`` (default: save, exit with code 76, the
             message names the ranks and hosts for the launcher to exclude) or ``"skip"``.
-        skip_batches: reserved for a window shorter than "since the checkpoint"; only ``None`` for now.
+        skip_batches: on a rollback, skip only the last this many batches (>= 1) of those read since the checkpoint;
+            the ones before are read again (the data is rewound to the checkpoint, when it is of the same epoch;
+            otherwise everything since the epoch's start is skipped). ``None``: every batch since the checkpoint.
         spike_zscore: also a spike: a loss more than this many standard deviations above the window's mean.
         monitor: the logged metric holding the global mean training loss.
 
@@ -147,7 +148,7 @@ class TrainingHealth(pl.Callback):
         self.on_spike = _check_policy("on_spike", on_spike)
         _check_arguments(spike_factor, window, spike_zscore, max_rollbacks, skip_batches, recheck,
                          consistency_every_n_steps, rollback_after)
-        self.rollback_after = rollback_after
+        self.rollback_after, self.skip_batches = rollback_after, skip_batches
         if on_hardware not in ("stop", "skip"):
             raise ValueError(f"on_hardware={on_hardware!r} is not a policy; use 'stop' or 'skip'")
         self.recheck, self.on_hardware = recheck, on_hardware
@@ -191,21 +192,6 @@ class TrainingHealth(pl.Callback):
             rank_zero_warn("TrainingHealth: no FaultTolerantCheckpoint among the callbacks, so a rollback (on_spike="
                            "'rollback', or after rollback_after bad steps) skips the step instead")
 
-    def _agreed(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> tuple[bool, Optional[float]]:
-        """(any rank saw a non-finite loss, the loss or ``None`` when not logged), the same on every rank."""
-        value = trainer.callback_metrics.get(self.monitor)
-        loss = float(value) if value is not None else None
-        flags = torch.tensor([0.0 if loss is None or math.isfinite(loss) else 1.0,
-                              loss if loss is not None and math.isfinite(loss) else -math.inf], dtype=torch.float64)
-        import torch.distributed as dist
-
-        if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
-            device = pl_module.device if dist.get_backend() != "gloo" else torch.device("cpu")
-            flags = flags.to(device)
-            dist.all_reduce(flags, op=dist.ReduceOp.MAX)
-        nonfinite, agreed = bool(flags[0] > 0), float(flags[1])
-        return nonfinite, (agreed if agreed != -math.inf else None)
-
     def spike_ratio(self, loss: Optional[float]) -> float:
         """The loss over the running median of healthy losses (0 while fewer than ``window`` are known)."""
         if loss is None or len(self._healthy) < self.window:
@@ -232,15 +218,32 @@ class TrainingHealth(pl.Callback):
         if self.recheck:
             self._first_loss = loss.detach().clone()
 
-    def _grad_norm(self, trainer: "pl.Trainer", optimizer: torch.optim.Optimizer) -> float:
-        """The global gradient norm (one scalar all-reduce), handed to the clipping of this step when it is on."""
+    def _measure(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule",
+                 optimizer: torch.optim.Optimizer) -> tuple[bool, Optional[float], float]:
+        """(any rank saw a non-finite loss, the loss or ``None`` when not logged, the global gradient norm), the same
+        on every rank, from one all-reduce (SUM, float64) of ``[this rank's share of the squared grad norm,
+        non-finite flag, finite loss, 1 if it reported one]``. The norm goes to the clipping of this step when on."""
+        import torch.distributed as dist
+
         params = [p for group in optimizer.param_groups for p in group["params"]]
-        norm = global_grad_norm(params, _ranks_per_stage(trainer.strategy))
+        square = local_grad_square_sum(params, _ranks_per_stage(trainer.strategy))
+        value = trainer.callback_metrics.get(self.monitor)
+        loss = float(value) if value is not None else None
+        finite = loss is not None and math.isfinite(loss)
+        extra = torch.tensor([float(loss is not None and not finite), loss if finite else 0.0, float(finite)],
+                             dtype=torch.float64, device=square.device)
+        stats = torch.cat([square.reshape(1), extra])
+        if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+            if dist.get_backend() == "gloo":
+                stats = stats.cpu()
+            dist.all_reduce(stats)
+        norm = stats[0].sqrt()
         handoff = getattr(trainer.strategy.precision_plugin, "hybrid_step_norm", None)
         if handoff is not None:  # gradient clipping (if on) takes it instead of all-reducing again
             clipping = trainer.gradient_clip_val and trainer.gradient_clip_algorithm in (None, "norm")
-            handoff.put(norm if clipping else None)
-        return float(norm)
+            handoff.put(norm.to(square.device) if clipping else None)
+        reported = float(stats[3])
+        return bool(stats[1] > 0), (float(stats[2]) / reported if reported else None), float(norm)
 
     def _rechecked(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", policy: str) -> tuple[str, dict]:
         """Re-run the step; (the policy to apply, what the event records of the verdict)."""
@@ -259,8 +262,7 @@ class TrainingHealth(pl.Callback):
 
     def on_before_optimizer_step(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule",
                                  optimizer: torch.optim.Optimizer) -> None:
-        grad_norm = self._grad_norm(trainer, optimizer)
-        nonfinite_loss, loss = self._agreed(trainer, pl_module)
+        nonfinite_loss, loss, grad_norm = self._measure(trainer, pl_module, optimizer)
         ratio = self.spike_ratio(loss)
         kind = None
         if nonfinite_loss or not math.isfinite(grad_norm):
@@ -315,7 +317,7 @@ class TrainingHealth(pl.Callback):
             reason = f"step {event['step']} has a {event['kind']} (on_{event['kind']}='stop')"
         if event["action"] == "stop":
             raise stop(trainer, self._checkpointer, reason)
-        done = roll_back(trainer, self._checkpointer) if self._checkpointer is not None else None
+        done = roll_back(trainer, self._checkpointer, self.skip_batches) if self._checkpointer is not None else None
         if done is None:
             event["action"] = "skip"  # nothing committed to return to yet: the step stays skipped
             rank_zero_warn(f"training health: no committed checkpoint to roll back to at step {event['step']}; "

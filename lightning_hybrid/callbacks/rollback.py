@@ -5,6 +5,8 @@ into the running processes (weights, optimizer states, RNG, LR schedulers, the o
 restart) and leaves the data window since that checkpoint out for good: the data loader is already past it (it is
 not rewound), the range goes into the sampler's skip list, which every later checkpoint's manifest carries, and is
 written into the manifests already committed, so a run resumed from any of them, on any mesh, leaves it out again.
+With ``skip_batches`` only the last batches of the window are skipped: the data is rewound to the checkpoint's
+position (batch counters and Lightning's data iterator anew, as on a resume) and the batches before are read again.
 """
 
 from __future__ import annotations
@@ -75,8 +77,40 @@ def _restore_counters(trainer: "pl.Trainer", state: dict[str, Any]) -> None:
         config.scheduler.load_state_dict(saved)
 
 
-def roll_back(trainer: "pl.Trainer", checkpointer: FaultTolerantCheckpoint) -> Optional[RolledBack]:
-    """Reload the newest committed checkpoint in place and skip the data since it; ``None`` when none exists.
+def _rewind(trainer: "pl.Trainer", state: dict[str, Any], sampler: Any, then: dict[str, Any],
+            skipped: tuple[int, int, int]) -> None:
+    """Put the data back where the checkpoint was, with ``skipped`` left out: the batches between are read again.
+
+    The batch counters of the checkpoint come back too, and the training data iterator is made anew (Lightning's
+    fetcher, told how many batches the epoch already counted, as on a resume).
+    """
+    progress = trainer.fit_loop.epoch_loop.batch_progress
+    progress.load_state_dict(state["loops"]["fit_loop"]["epoch_loop.batch_progress"])
+    # Lightning counts the step now ending as completed after the hooks.
+    progress.current.completed -= 1
+    progress.total.completed -= 1
+    sampler.resume_from(skipped[0], then["samples_in_epoch"], then.get("counted"))
+    sampler.add_skip(*skipped)
+    fetcher = trainer.fit_loop._data_fetcher
+    iter(fetcher)
+    fetcher.fetched += progress.current.ready
+
+
+def _window(now: dict[str, Any], then: dict[str, Any],
+            skip_batches: Optional[int]) -> tuple[tuple[int, int, int], bool]:
+    """The range to skip ``(epoch, start, end)`` and whether the data must be rewound to reach its start."""
+    same_epoch = then.get("epoch") == now["epoch"] and "samples_in_epoch" in then
+    begin = then["samples_in_epoch"] if same_epoch else 0
+    end = now["samples_in_epoch"]
+    if skip_batches is not None and same_epoch and end - skip_batches * now["global_batch"] > begin:
+        return (now["epoch"], end - skip_batches * now["global_batch"], end), True
+    return (now["epoch"], begin, end), False
+
+
+def roll_back(trainer: "pl.Trainer", checkpointer: FaultTolerantCheckpoint,
+              skip_batches: Optional[int] = None) -> Optional[RolledBack]:
+    """Reload the newest committed checkpoint in place and skip the data since it (or its last ``skip_batches``
+    batches, when it is of this epoch: the ones before are read again); ``None`` when no checkpoint exists.
 
     Call on every rank together at the end of a step (after its optimizer step was skipped).
     """
@@ -95,9 +129,10 @@ def roll_back(trainer: "pl.Trainer", checkpointer: FaultTolerantCheckpoint) -> O
     then = state.get("hybrid", {}).get("data_position") or {}
     skipped = None
     if now is not None and sampler is not None:
-        begin = then.get("samples_in_epoch", 0) if then.get("epoch") == now["epoch"] else 0
-        skipped = (now["epoch"], begin, now["samples_in_epoch"])
-        if begin < skipped[2]:
+        skipped, rewind = _window(now, then, skip_batches)
+        if rewind:
+            _rewind(trainer, state, sampler, then, skipped)
+        elif skipped[1] < skipped[2]:
             sampler.add_skip(*skipped)
         if trainer.is_global_zero:
             record_skips(checkpointer.dirpath, [list(s) for s in sampler.skips])

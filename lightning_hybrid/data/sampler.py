@@ -33,6 +33,7 @@ class ResumableDistributedSampler(DistributedSampler):
         self.skips: list[tuple[int, int, int]] = []
         self._base = (0, 0)  # (samples Lightning counted, permutation position) where this iteration started
         self._active: list[tuple[int, int]] = []
+        self._iterated_epoch: Optional[int] = None
         self._counted: Optional[int] = None
 
     def resume_from(self, epoch: int, consumed_samples: int, counted: Optional[int] = None) -> None:
@@ -82,12 +83,18 @@ class ResumableDistributedSampler(DistributedSampler):
         self._resume = None if skip else self._resume
         n = self.num_replicas
         self._active = sorted((s, e) for epoch, s, e in self.skips if epoch == self.epoch)
+        self._iterated_epoch = self.epoch
         left_out = [(s // n, e // n) for s, e in self._active]
         for position, index in enumerate(super().__iter__()):
             if position >= skip and not any(s <= position < e for s, e in left_out):
                 yield index
 
-    # __len__ stays the full epoch: Lightning counts a resumed epoch's batches from its start.
+    def __len__(self) -> int:
+        # The full epoch (Lightning counts a resumed epoch's batches from its start) less the ranges this epoch's
+        # iteration leaves out (a range recorded after it started was read, and counts).
+        active = self._active if self._iterated_epoch == self.epoch else [
+            (s, e) for epoch, s, e in self.skips if epoch == self.epoch]
+        return super().__len__() - sum((e - s) // self.num_replicas for s, e in active)
 
 
 def resumable_dataloader(dataloader: Any, resume: Optional[dict[str, int]]) -> tuple[Any, Optional[Any], bool]:

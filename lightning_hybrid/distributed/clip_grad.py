@@ -14,7 +14,8 @@ from typing import Any, Iterable, Optional
 import torch
 from torch import Tensor
 
-__all__ = ["global_grad_norm", "clip_grad_norm_global", "use_global_norm_clipping", "StepNorm", "scale_to_max_norm"]
+__all__ = ["global_grad_norm", "local_grad_square_sum", "clip_grad_norm_global", "use_global_norm_clipping",
+           "StepNorm", "scale_to_max_norm"]
 
 
 def _is_split(placement: object) -> bool:
@@ -34,6 +35,19 @@ def _piece_and_copies(grad: Tensor, ranks_per_stage: int) -> tuple[Tensor, int]:
 
 
 @torch.no_grad()
+def local_grad_square_sum(parameters: Iterable[Tensor], ranks_per_stage: int) -> Tensor:
+    """This rank's share of the squared global gradient norm (float64): summed over all ranks (one all-reduce,
+    which may carry other numbers along) it is the square of :func:`global_grad_norm`."""
+    grads = [p.grad for p in parameters if p.grad is not None]
+    device = grads[0].device if grads else torch.device("cpu")
+    total = torch.zeros((), dtype=torch.float64, device=device)
+    for grad in grads:
+        piece, copies = _piece_and_copies(grad, ranks_per_stage)
+        total += piece.detach().double().pow(2).sum() / copies
+    return total
+
+
+@torch.no_grad()
 def global_grad_norm(parameters: Iterable[Tensor], ranks_per_stage: int, group: Optional[object] = None) -> Tensor:
     """The L2 norm of all gradients of the model, wherever their pieces live.
 
@@ -44,12 +58,8 @@ def global_grad_norm(parameters: Iterable[Tensor], ranks_per_stage: int, group: 
     """
     import torch.distributed as dist
 
-    grads = [p.grad for p in parameters if p.grad is not None]
-    device = grads[0].device if grads else torch.device("cpu")
-    total = torch.zeros((), dtype=torch.float64, device=device)
-    for grad in grads:
-        piece, copies = _piece_and_copies(grad, ranks_per_stage)
-        total += piece.detach().double().pow(2).sum() / copies
+    total = local_grad_square_sum(parameters, ranks_per_stage)
+    device = total.device
     if dist.is_available() and dist.is_initialized():
         if dist.get_backend(group) == "gloo" and total.device.type != "cpu":
             total = total.cpu()
