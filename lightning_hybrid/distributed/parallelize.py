@@ -278,7 +278,8 @@ def parallelize(module: nn.Module, spec: ParallelSpec, options: ParallelOptions,
         if options.compile:
             compile_blocks(blocks, parts=spec.block_norm_consumers if dims.tp > 1 else None)
     if dims.data_ranks > 1 and options.data_parallel != "replicate":
-        apply_fsdp(module, getattr(module, spec.blocks), data_mesh(mesh, dims), param_dtype=options.param_dtype(precision),
-                   reduce_dtype=options.reduction_dtype(precision), reshard_after_forward=reshard_after_forward)
+        apply_fsdp(module, getattr(module, spec.blocks), data_mesh(mesh, dims),
+                   param_dtype=options.param_dtype(precision), reduce_dtype=options.reduction_dtype(precision),
+                   reshard_after_forward=reshard_after_forward)
     module.to_empty(device=device)
 

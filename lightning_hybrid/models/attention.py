@@ -29,8 +29,8 @@ class CausalAttention:
     """Causal attention over a sequence this process holds whole.
 
     ``core(q, k, v)`` takes (batch, heads, seq, head_dim) tensors, k and v with a divisor of q's heads (grouped-query
-    attention: each k/v head serves consecutive q heads), and returns the attention output in q's shape; ``core.positions(seq_len, device)`` the global position of each of
-    the ``seq_len`` local tokens.
+    attention: each k/v head serves consecutive q heads), and returns the attention output in q's shape;
+    ``core.positions(seq_len, device)`` gives the global position of each of the ``seq_len`` local tokens.
     """
 
     def positions(self, seq_len: int, device: torch.device) -> Tensor:
