@@ -113,3 +113,41 @@ def test_activation_memory_per_rank_at_cp2_is_about_half_of_cp1(ring_results):
         ratio = result["bytes_cp2"] / result["bytes_cp1"]
         # local activations halve; the gathered K/V of a layer (2 of the ~20 saved tensors) stay whole
         assert 0.45 < ratio < 0.6, (result["bytes_cp1"], result["bytes_cp2"], ratio)
+
+
+def test_planner_fits_32k_sft_of_72b_on_h100_only_with_cp_and_counts_the_kv_exchange():
+    from lightning_hybrid.planner.cli import build_parser, build_problem
+    from lightning_hybrid.planner.search import candidates, estimate
+
+    args = build_parser().parse_args("--model qwen2.5-72b --gpus 128 --gpus-per-node 8 --gpu h100 --seq-len 32768 "
+                                     "--global-batch 128 --precision bf16-mixed".split())
+    problem = build_problem(args)
+    whole = [estimate(problem, layout) for layout in candidates(problem, 4, 1, ("fsdp",), cp=1)]
+    split = [estimate(problem, layout) for layout in candidates(problem, 4, 1, ("fsdp",), cp=2)]
+    assert whole and not any(e.fits for e in whole), min(e.memory["total"] for e in whole) / 1e9
+    fitting = [e for e in split if e.fits]
+    assert fitting, min(e.memory["total"] for e in split) / 1e9
+    best = min(fitting, key=lambda e: e.time["step"])
+    assert best.time["cp_comm"] > 0 and best.layout.shard_ranks == 32  # FSDP over dp x cp
+    same = next(e for e in whole if (e.layout.micro_batch_size, e.layout.recompute, e.layout.sequence_parallel)
+                == (best.layout.micro_batch_size, best.layout.recompute, best.layout.sequence_parallel))
+    # each rank holds half the tokens: activations halve (full recompute keeps only the block inputs)
+    assert best.memory["activations"] == pytest.approx(same.memory["activations"] / 2, rel=0.02)
+
+
+def test_planner_models_hsdp_as_reduce_scatter_in_the_shard_group_and_all_reduce_across_replicas():
+    from dataclasses import replace
+
+    from lightning_hybrid.planner.cli import build_parser, build_problem
+    from lightning_hybrid.planner.search import Layout, estimate
+
+    args = build_parser().parse_args("--model qwen2.5-72b --gpus 1024 --gpus-per-node 8 --gpu b300 --seq-len 4096 "
+                                     "--global-batch 1024 --precision bf16-mixed".split())
+    problem = build_problem(args)
+    fsdp = Layout(8, 2, 64, "fsdp", 1, 16, "1f1b", 1, "selective", True)
+    hsdp = replace(fsdp, data_parallel="hsdp", dp_shard=8)
+    a, b = estimate(problem, fsdp), estimate(problem, hsdp)
+    # sharded 8-way instead of 64-way: more state per GPU; the step's DP time differs by the two-level reduction
+    assert b.memory["optimizer"] == pytest.approx(a.memory["optimizer"] * 8, rel=0.05)
+    assert b.time["dp_comm"] != a.time["dp_comm"]
+    assert "hsdp(shard=8)" in hsdp.describe()

@@ -130,8 +130,13 @@ def _block(q: Tensor, k: Tensor, v: Tensor, allowed: Tensor, scale: float) -> tu
 
 
 def _ring_merge(q: Tensor, k_all: Tensor, v_all: Tensor, q_pos: Tensor, k_pos: Tensor, blocks: int) -> Tensor:
-    """Causal attention of the local queries over the gathered K/V, one source block at a time, merged online."""
+    """Causal attention of the local queries over the gathered K/V, one source block at a time, merged online.
+
+    K/V heads are repeated for grouped-query attention here, inside the recomputed region, so what is kept for
+    backward is the gathered K/V at their own (fewer) heads.
+    """
     scale = q.shape[-1] ** -0.5
+    k_all, v_all = expand_kv_heads(k_all, v_all, q.shape[1])
     k_blocks, v_blocks, pos_blocks = k_all.chunk(blocks, 2), v_all.chunk(blocks, 2), k_pos.chunk(blocks)
     out: Optional[Tensor] = None
     lse: Optional[Tensor] = None
@@ -173,7 +178,6 @@ class RingAttention(CausalAttention):
         local = q.shape[2]
         k_all = _GatherSequence.apply(k, self.group, self.cp, self.cp_rank)
         v_all = _GatherSequence.apply(v, self.group, self.cp, self.cp_rank)
-        k_all, v_all = expand_kv_heads(k_all, v_all, q.shape[1])
         q_pos = self.positions(local, torch.device("cpu"))
         k_pos = torch.cat([sequence_positions(local * self.cp, self.cp, r) for r in range(self.cp)])
         # Recomputed in backward: the (local x global) scores are never kept.
