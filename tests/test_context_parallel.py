@@ -151,3 +151,23 @@ def test_planner_models_hsdp_as_reduce_scatter_in_the_shard_group_and_all_reduce
     assert b.memory["optimizer"] == pytest.approx(a.memory["optimizer"] * 8, rel=0.05)
     assert b.time["dp_comm"] != a.time["dp_comm"]
     assert "hsdp(shard=8)" in hsdp.describe()
+
+
+def test_throughput_monitor_counts_whole_sequences_and_tokens_per_device_under_cp():
+    import functools
+    from types import SimpleNamespace
+
+    from lightning_hybrid.callbacks.throughput import ThroughputMonitor, context_parallel_size, flops_per_token
+
+    config = Qwen2Config.from_preset("tiny")
+    strategy = SimpleNamespace(dims=ParallelDims.resolve(tp=2, pp=1, dp=None, world_size=8, cp=2))
+    assert context_parallel_size(strategy) == 2 and context_parallel_size(SimpleNamespace()) == 1
+    monitor = ThroughputMonitor(peak_tflops=1.0)
+    monitor._world, monitor._dp, monitor._cp = 8, 2, context_parallel_size(strategy)
+    monitor._flops_fn, monitor._pending, monitor._last_end = functools.partial(flops_per_token, config), None, 0.0
+    local = {"input_ids": torch.zeros(3, 32, dtype=torch.long)}  # 3 sequences of 64 tokens, this rank's half
+    monitor.on_train_batch_start(None, None, local, 0)
+    pending = monitor._pending
+    assert pending["tokens"] == 3 * 64 * 2  # whole sequences of both dp ranks
+    assert pending["samples"] == 3 * 2
+    assert pending["flops"] == pytest.approx(flops_per_token(config, 64) * 3 * 64 * 2 / 8)  # per device
