@@ -188,8 +188,8 @@ class ThroughputMonitor(pl.Callback):
     are the global batch: ``input_ids.numel()`` times the data-parallel size (tensor and pipeline peers
     see the same tokens; under context parallelism a rank holds 1/cp of each sequence, so its count is
     multiplied by cp and the FLOPs per token are those of the whole sequence length). Step time runs from the
-    train-batch-start hook to the batch-end hook (CUDA synchronized); data wait from the previous batch end to the next batch start, with validation
-    left out. At the end of training rank 0 prints one summary line with tokens/s.
+    train-batch-start hook to the batch-end hook (CUDA synchronized); data wait from the previous batch end to
+    the next batch start, with validation left out. At the end of training rank 0 prints one summary line with tokens/s.
 
     Straggler detection adds the only collectives: one ``all_gather_object`` of host names when
     training starts and one small ``all_gather`` every ``straggler_every_n_steps`` steps, on every rank
