@@ -171,3 +171,45 @@ def test_throughput_monitor_counts_whole_sequences_and_tokens_per_device_under_c
     assert pending["tokens"] == 3 * 64 * 2  # whole sequences of both dp ranks
     assert pending["samples"] == 3 * 2
     assert pending["flops"] == pytest.approx(flops_per_token(config, 64) * 3 * 64 * 2 / 8)  # per device
+
+
+MESH_PROBE = """
+import json, sys
+import torch.distributed as dist
+from torch.testing._internal.distributed.fake_pg import FakeStore
+from lightning_hybrid.distributed.parallel_dims import ParallelDims, build_mesh, data_mesh
+rank = int(sys.argv[1])
+dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=32)
+dims = ParallelDims.resolve(tp=2, pp=2, dp=None, world_size=32, cp=2, dp_shard=2)
+mesh = build_mesh(dims, "cpu")
+names = ("pp", "dp", "cp", "tp", "dp_replicate", "dp_shard", "dp_cp", "dp_shard_cp")
+fsdp = data_mesh(mesh, dims)
+print(json.dumps({"dims": mesh.mesh_dim_names, "fsdp": [fsdp.mesh_dim_names, list(fsdp.shape)],
+                  **{n: dist.get_process_group_ranks(mesh[n].get_group()) for n in names}}))
+"""
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("rank", [23])
+def test_mesh_groups_follow_the_rank_formula_with_cp_and_hsdp_on_a_fake_world_of_32(rank):
+    import subprocess
+    import sys
+
+    out = subprocess.run([sys.executable, "-c", MESH_PROBE, str(rank)], capture_output=True, text=True, timeout=100)
+    assert out.returncode == 0, out.stderr[-3000:]
+    groups = json.loads(out.stdout.strip().splitlines()[-1])
+    dims = ParallelDims.resolve(tp=2, pp=2, dp=None, world_size=32, cp=2, dp_shard=2)
+    me = dims.coordinates(rank)
+    assert groups["dims"] == ["pp", "dp_replicate", "dp_shard", "cp", "tp"]
+    assert groups["fsdp"] == [["dp_replicate", "dp_shard_cp"], [2, 4]]  # replicate x (shard x cp)
+
+    def members(**fixed):
+        return sorted(r for r in range(32) if all(dims.coordinates(r)[k] == v for k, v in fixed.items()))
+
+    assert groups["tp"] == members(pp=me["pp"], dp=me["dp"], cp=me["cp"])
+    assert groups["cp"] == members(pp=me["pp"], dp=me["dp"], tp=me["tp"])
+    assert groups["dp"] == members(pp=me["pp"], cp=me["cp"], tp=me["tp"])
+    assert groups["dp_cp"] == members(pp=me["pp"], tp=me["tp"])
+    assert groups["dp_shard_cp"] == members(pp=me["pp"], tp=me["tp"], dp_replicate=me["dp_replicate"])
+    assert groups["dp_replicate"] == members(pp=me["pp"], dp_shard=me["dp_shard"], cp=me["cp"], tp=me["tp"])
+    assert groups["pp"] == members(dp=me["dp"], cp=me["cp"], tp=me["tp"])

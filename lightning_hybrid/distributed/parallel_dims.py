@@ -208,14 +208,19 @@ def checkpoint_groups(timeout: Optional[timedelta]) -> tuple[Any, Any]:
     return new_gloo_group(timeout), new_gloo_group(timeout)
 
 
-def _lightning_names(mesh: "DeviceMesh") -> None:
-    """Let ``mesh["data_parallel"]`` and ``mesh["tensor_parallel"]`` name the dp and tp dimensions.
+def _flatten_groups(mesh: "DeviceMesh", aliases: dict[str, tuple[str, ...]]) -> None:
+    """Let ``mesh[alias]`` name the group of the dimensions ``aliases[alias]`` (consecutive, in mesh order) flattened.
 
-    DeviceMesh has no public way to alias a dimension; ``_flatten`` of a single dimension registers it under a
-    new name. ``tests/test_torch_private_apis.py`` fails when it moves.
+    DeviceMesh has no public way to name a group of dimensions or to alias one; ``_flatten`` registers the group under
+    a new name. ``tests/test_torch_private_apis.py`` fails when it moves.
     """
-    mesh["dp"]._flatten("data_parallel")
-    mesh["tp"]._flatten("tensor_parallel")
+    for alias, dims in aliases.items():
+        mesh[dims]._flatten(alias)
+
+
+def _lightning_names(mesh: "DeviceMesh") -> None:
+    """Let ``mesh["data_parallel"]`` and ``mesh["tensor_parallel"]`` name the dp and tp dimensions."""
+    _flatten_groups(mesh, {"data_parallel": ("dp",), "tensor_parallel": ("tp",)})
 
 
 def build_mesh(dims: ParallelDims, device_type: str, timeout: Optional[timedelta] = None) -> "DeviceMesh":
@@ -236,12 +241,9 @@ def build_mesh(dims: ParallelDims, device_type: str, timeout: Optional[timedelta
              "cp": dims.cp, "tp": dims.tp}
     with _group_timeout(timeout):
         mesh = init_device_mesh(device_type, tuple(sizes[n] for n in names), mesh_dim_names=names)
-        # DeviceMesh names a group of several dimensions only through the private _flatten (tests/test_torch_private
-        # _apis.py fails when it moves).
-        if hsdp:
-            mesh[data]._flatten("dp")
-            mesh[("dp_shard", "cp") if dims.cp > 1 else "dp_shard"]._flatten("dp_shard_cp")
-        mesh[data + ("cp",) if dims.cp > 1 else data]._flatten("dp_cp")
+        cp = ("cp",) if dims.cp > 1 else ()
+        aliases = {"dp": data, "dp_shard_cp": ("dp_shard",) + cp} if hsdp else {}
+        _flatten_groups(mesh, {**aliases, "dp_cp": data + cp})
         if not hsdp and dims.cp == 1:
             _lightning_names(mesh)
     return mesh
