@@ -67,9 +67,9 @@ def test_mesh_sizes_with_cp_and_hsdp_resolve_and_place_cp_next_to_tp():
 
 
 def test_cp_tp_pp_dp_that_do_not_divide_the_world_are_refused():
-    with pytest.raises(ValueError, match=r"world size 12 is not divisible by cp\*tp\*pp=8"):
+    with pytest.raises(ValueError, match=r"world size 12 is not divisible by cp\*tp\*pp=2\*2\*2=8"):
         ParallelDims.resolve(tp=2, pp=2, dp=None, world_size=12, cp=2)
-    with pytest.raises(ValueError, match=r"cp\*tp\*pp\*dp=8\*2=16 does not equal the world size 8"):
+    with pytest.raises(ValueError, match=r"cp\*tp\*pp\*dp=2\*2\*2\*2=16 does not equal the world size 8"):
         ParallelDims.resolve(tp=2, pp=2, dp=2, world_size=8, cp=2)
     with pytest.raises(ValueError, match=r"dp_shard=3 does not divide dp=4; use one of 1, 2 or 4"):
         ParallelDims.resolve(tp=1, pp=1, dp=None, world_size=4, dp_shard=3)

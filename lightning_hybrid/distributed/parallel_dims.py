@@ -87,18 +87,19 @@ class ParallelDims:
                 raise ValueError(f"{name}={value!r} must be a positive integer")
         if dp is not None and (not isinstance(dp, int) or isinstance(dp, bool) or dp < 1):
             raise ValueError(f"dp={dp!r} must be a positive integer or None (inferred from the world size)")
-        model_ranks, names = tp * pp * cp, ("cp*tp*pp" if cp > 1 else "tp*pp")
+        model_ranks = tp * pp * cp
+        names, values = ("cp*tp*pp", f"{cp}*{tp}*{pp}") if cp > 1 else ("tp*pp", f"{tp}*{pp}")
         if dp is None:
             if world_size % model_ranks:
                 fits = [d for d in divisors(world_size)]
                 raise ValueError(
-                    f"world size {world_size} is not divisible by {names}={model_ranks}; "
+                    f"world size {world_size} is not divisible by {names}={values}={model_ranks}; "
                     f"{names} must be one of {format_choices(fits)}"
                 )
             dp = world_size // model_ranks
         if model_ranks * dp != world_size:
             raise ValueError(
-                f"{names}*dp={model_ranks}*{dp}={model_ranks * dp} does not equal the world size {world_size}; "
+                f"{names}*dp={values}*{dp}={model_ranks * dp} does not equal the world size {world_size}; "
                 f"set dp=None to infer it or change the number of devices"
             )
         replicate = _replicas(dp, dp_shard)
