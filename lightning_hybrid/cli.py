@@ -95,8 +95,8 @@ def user_error_message(err: BaseException) -> Optional[str]:
 
 def check_before_launch(trainer: Any, model: Any, datamodule: Any) -> None:
     """What the parsed config alone decides: the strategy's sizes against the devices and the model, the
-    micro-batches against the per-rank batch size, the sequence length against cp, and that a checkpoint folder to resume from holds this model.
-    Runs before any worker process starts.
+    micro-batches against the per-rank batch size, the sequence length against cp, and that a checkpoint folder to
+    resume from holds this model. Runs before any worker process starts.
 
     Raises:
         ValueError: naming the bad value and what would fit.
