@@ -111,8 +111,8 @@ def test_ring_attention_equals_full_attention_forward_and_gradients(ring_results
 def test_activation_memory_per_rank_at_cp2_is_about_half_of_cp1(ring_results):
     for result in ring_results:
         ratio = result["bytes_cp2"] / result["bytes_cp1"]
-        # local activations halve; the gathered K/V of a layer (2 of the ~20 saved tensors) stay whole
-        assert 0.45 < ratio < 0.6, (result["bytes_cp1"], result["bytes_cp2"], ratio)
+        # local activations halve; only the gathered K/V of a layer (at their own 2 heads) stay whole: 0.518 measured
+        assert 0.45 < ratio < 0.56, (result["bytes_cp1"], result["bytes_cp2"], ratio)
 
 
 def test_planner_fits_32k_sft_of_72b_on_h100_only_with_cp_and_counts_the_kv_exchange():
