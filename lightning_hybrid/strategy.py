@@ -271,7 +271,7 @@ class HybridParallelStrategy(ModelParallelStrategy):
 
     @override
     def batch_to_device(self, batch: Any, device: Optional[torch.device] = None, dataloader_idx: int = 0) -> Any:
-        return shard_batch(super().batch_to_device(batch, device, dataloader_idx), self.dims, self.global_rank)
+        return shard_batch(super().batch_to_device(batch, device, dataloader_idx), self)
 
     @override
     def lightning_module_state_dict(self) -> dict[str, Any]:

@@ -49,6 +49,24 @@ def test_shard_sequences_splits_every_sequence_tensor_of_a_batch_alike():
     assert shard_sequences(batch, 1, 0) is batch
 
 
+def test_the_strategy_shards_each_batch_by_its_cp_coordinate_and_refuses_predict_under_cp():
+    from types import SimpleNamespace
+
+    from lightning_hybrid.distributed.context_parallel import shard_batch
+
+    ids = torch.arange(8).reshape(1, 8)
+    dims = ParallelDims.resolve(tp=2, pp=1, dp=None, world_size=4, cp=2)
+
+    def strategy(rank, predicting=False):
+        return SimpleNamespace(dims=dims, global_rank=rank,
+                               lightning_module=SimpleNamespace(_trainer=SimpleNamespace(predicting=predicting)))
+
+    assert shard_batch(ids, strategy(1)).tolist() == [[0, 1, 6, 7]]  # rank 1: tp=1, cp=0
+    assert shard_batch(ids, strategy(2)).tolist() == [[2, 3, 4, 5]]  # rank 2: tp=0, cp=1
+    with pytest.raises(ValueError, match="trainer.predict with cp=2 is not supported"):
+        shard_batch(ids, strategy(0, predicting=True))
+
+
 def test_a_sequence_length_not_divisible_by_2cp_is_refused_in_one_line():
     with pytest.raises(ValueError, match=r"sequence length 10 is not divisible by 2\*cp=4.*multiple of 4 \(e.g. 12\)"):
         check_sequence_length(10, 2)

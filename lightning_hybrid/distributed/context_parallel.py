@@ -82,11 +82,21 @@ def shard_sequences(batch: Any, cp: int, cp_rank: int) -> Any:
     return batch
 
 
-def shard_batch(batch: Any, dims: ParallelDims, global_rank: int) -> Any:
-    """:func:`shard_sequences` of ``batch`` for the cp coordinate of ``global_rank`` (``batch`` itself at cp=1)."""
+def shard_batch(batch: Any, strategy: Any) -> Any:
+    """:func:`shard_sequences` of ``batch`` for the cp coordinate of the strategy's rank (``batch`` itself at cp=1).
+
+    Raises:
+        ValueError: a sequence length not divisible by ``2 * cp``, or a batch of ``trainer.predict`` under cp>1
+            (each rank would return the logits of its share of every sequence).
+    """
+    dims: ParallelDims = strategy.dims
     if dims.cp == 1:
         return batch
-    return shard_sequences(batch, dims.cp, dims.coordinates(global_rank)["cp"])
+    trainer = getattr(strategy.lightning_module, "_trainer", None)
+    if trainer is not None and trainer.predicting:
+        raise ValueError(f"trainer.predict with cp={dims.cp} is not supported (each rank would return the logits of "
+                         f"its share of every sequence); predict with cp=1")
+    return shard_sequences(batch, dims.cp, dims.coordinates(strategy.global_rank)["cp"])
 
 
 class _GatherSequence(torch.autograd.Function):
