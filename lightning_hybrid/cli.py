@@ -95,13 +95,14 @@ def user_error_message(err: BaseException) -> Optional[str]:
 
 def check_before_launch(trainer: Any, model: Any, datamodule: Any) -> None:
     """What the parsed config alone decides: the strategy's sizes against the devices and the model, the
-    micro-batches against the per-rank batch size, and that a checkpoint folder to resume from holds this model.
-    Runs before any worker process starts.
+    micro-batches against the per-rank batch size, the sequence length against cp, and that a checkpoint folder to
+    resume from holds this model. Runs before any worker process starts.
 
     Raises:
         ValueError: naming the bad value and what would fit.
     """
     from lightning_hybrid.callbacks.fault_tolerant import FaultTolerantCheckpoint
+    from lightning_hybrid.distributed.context_parallel import check_sequence_length
     from lightning_hybrid.distributed.parallelize import check_options
     from lightning_hybrid.distributed.pipeline.schedules import check_batch_splits
     from lightning_hybrid.strategy import HybridParallelStrategy
@@ -118,6 +119,9 @@ def check_before_launch(trainer: Any, model: Any, datamodule: Any) -> None:
     batch = getattr(getattr(datamodule, "hparams", None), "batch_size", None)
     if options.pp > 1 and isinstance(batch, int):
         check_batch_splits(batch, options.num_microbatches)
+    seq_len = getattr(getattr(datamodule, "hparams", None), "seq_len", None)
+    if options.cp > 1 and isinstance(seq_len, int):
+        check_sequence_length(seq_len, options.cp)
     config = getattr(model, "config", None)
     for callback in trainer.callbacks:
         if isinstance(callback, FaultTolerantCheckpoint):

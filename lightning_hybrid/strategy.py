@@ -23,6 +23,7 @@ from typing_extensions import override
 from lightning_hybrid.checkpoint import sharded
 from lightning_hybrid.data.sampler import batch_size_of, data_position, resumable_dataloader
 from lightning_hybrid.distributed.clip_grad import use_global_norm_clipping
+from lightning_hybrid.distributed.context_parallel import shard_batch
 from lightning_hybrid.distributed.data_parallel import all_reducing
 from lightning_hybrid.distributed.init_weights import initialize_declared, move_buffers
 from lightning_hybrid.distributed.parallel_dims import ParallelDims, build_mesh, checkpoint_groups, lightning_mesh
@@ -37,7 +38,7 @@ __all__ = ["HybridParallelStrategy", "PP_SCHEDULES"]
 class HybridParallelStrategy(ModelParallelStrategy):
     """Tensor, pipeline and data parallelism combined on PyTorch's native stack.
 
-    The mesh is ``("pp", "dp", "tp")`` with TP innermost. A LightningModule that declares its model
+    The mesh is ``("pp", "dp", "cp", "tp")`` with TP innermost. A LightningModule that declares its model
     (``parallel_spec()`` and a ``model`` with the parts it names, like
     :class:`~lightning_hybrid.models.CausalLM`) is parallelized by the strategy: TP plan, then FSDP2
     or replication over ``dp``, then materialized from the meta device with mesh-independent
@@ -69,6 +70,7 @@ class HybridParallelStrategy(ModelParallelStrategy):
         timeout: timeout of collectives; a dead peer ends the run with a timeout error instead of a hang.
         data_parallel_size: Lightning's name of ``dp``; ``"auto"``: the number of nodes.
         tensor_parallel_size: Lightning's name of ``tp``; ``"auto"``: the devices per node.
+        cp: context-parallel size (sequences split, ring attention); ``dp_shard``: HSDP's shard group (``"hsdp"``).
 
     Raises:
         ValueError: an argument has an unknown value (on construction, on every rank), or the sizes do not
@@ -98,6 +100,7 @@ class HybridParallelStrategy(ModelParallelStrategy):
         timeout: Optional[timedelta] = default_pg_timeout,
         data_parallel_size: Optional[Union[int, Literal["auto"]]] = None,
         tensor_parallel_size: Optional[Union[int, Literal["auto"]]] = None,
+        cp: int = 1, dp_shard: Optional[int] = None,
     ) -> None:
         super().__init__(data_parallel_size="auto", tensor_parallel_size="auto",
                          save_distributed_checkpoint=save_distributed_checkpoint,
@@ -107,7 +110,7 @@ class HybridParallelStrategy(ModelParallelStrategy):
             pp_schedule=pp_schedule, microbatches=microbatches, virtual_stages=virtual_stages,
             pp_split_points=pp_split_points, activation_checkpointing=activation_checkpointing,
             selective_ac=selective_ac, compile=compile, reduce_dtype=reduce_dtype,
-            data_parallel_size=data_parallel_size, tensor_parallel_size=tensor_parallel_size)
+            data_parallel_size=data_parallel_size, tensor_parallel_size=tensor_parallel_size, cp=cp, dp_shard=dp_shard)
         self.preflight = bool(preflight)
         self._dims: Optional[ParallelDims] = None
         self._spec: Optional[ParallelSpec] = None
@@ -230,9 +233,9 @@ class HybridParallelStrategy(ModelParallelStrategy):
     @override
     def optimizer_step(self, optimizer: Optimizer, closure: Callable[[], Any],
                        model: Optional[Union["pl.LightningModule", torch.nn.Module]] = None, **kwargs: Any) -> Any:
-        if self._spec is not None and self.dims.dp > 1 and self.options.data_parallel == "replicate":
-            closure = all_reducing(closure, self.lightning_module.model, self.device_mesh["dp"].get_group(),
-                                   self.dims.dp, self.options.reduction_dtype(self._precision))
+        if self._spec is not None and self.dims.data_ranks > 1 and self.options.data_parallel == "replicate":
+            closure = all_reducing(closure, self.lightning_module.model, self.device_mesh["dp_cp"].get_group(),
+                                   self.dims.data_ranks, self.options.reduction_dtype(self._precision))
         with self.step_guard.guarding(optimizer):
             result = super().optimizer_step(optimizer, closure, model, **kwargs)
         if self.pipeline is not None:
@@ -265,6 +268,10 @@ class HybridParallelStrategy(ModelParallelStrategy):
         if sampler is not None:
             self.train_sampler = sampler
         return dataloader
+
+    @override
+    def batch_to_device(self, batch: Any, device: Optional[torch.device] = None, dataloader_idx: int = 0) -> Any:
+        return shard_batch(super().batch_to_device(batch, device, dataloader_idx), self)
 
     @override
     def lightning_module_state_dict(self) -> dict[str, Any]:

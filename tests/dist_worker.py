@@ -59,7 +59,7 @@ def _module(kind: str) -> L.LightningModule:
 
 def _fit(config: dict, kind: str, trainer_extra: dict, callbacks: list, ckpt_path=None, max_steps=None):
     world = int(os.environ["WORLD_SIZE"])
-    dp = config.get("dp") or world // (config.get("tp", 1) * config.get("pp", 1))
+    dp = config.get("dp") or world // (config.get("tp", 1) * config.get("pp", 1) * config.get("cp", 1))
     module = _module(kind)
     kwargs = {**make_trainer_kwargs()["trainer"], **trainer_extra}
     if max_steps is not None:

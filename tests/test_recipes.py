@@ -64,9 +64,10 @@ def mesh_of(config: dict[str, Any]) -> dict[str, int]:
     args = trainer["strategy"]["init_args"]
     devices, nodes = int(trainer["devices"]), int(trainer["num_nodes"])
     world = devices * nodes
-    tp, pp = int(args["tp"]), int(args["pp"])
-    dp = int(args["dp"]) if args.get("dp") is not None else world // (tp * pp)
-    return {"tp": tp, "pp": pp, "dp": dp, "devices": devices, "nodes": nodes, "world": world}
+    tp, pp, cp = int(args["tp"]), int(args["pp"]), int(args.get("cp") or 1)
+    dp = int(args["dp"]) if args.get("dp") is not None else world // (tp * pp * cp)
+    return {"tp": tp, "pp": pp, "dp": dp, "cp": cp, "dp_shard": int(args.get("dp_shard") or 0), "devices": devices,
+            "nodes": nodes, "world": world}
 
 
 def layout_of(config: dict[str, Any]):
@@ -85,7 +86,8 @@ def layout_of(config: dict[str, Any]):
     else:  # without a pipeline the whole per-rank batch runs at once; accumulation gives the micro-batches
         mbs, count, schedule, virtual = batch, accumulate, "none", 1
     return Layout(mesh["tp"], mesh["pp"], mesh["dp"], args["data_parallel"], mbs, count, schedule, virtual,
-                  args["activation_checkpointing"], bool(args["sequence_parallel"]) and mesh["tp"] > 1)
+                  args["activation_checkpointing"], bool(args["sequence_parallel"]) and mesh["tp"] > 1, mesh["cp"],
+                  mesh["dp_shard"])
 
 
 def planner_problem(recipe: Path):
@@ -108,7 +110,8 @@ def callback(config: dict[str, Any], name: str) -> Optional[dict[str, Any]]:
 
 def test_the_recipes_folder_has_the_documented_recipes():
     names = {p.name for p in RECIPES}
-    assert {"tiny-cpu.yaml", "qwen2.5-72b-pretrain.yaml", "qwen2.5-72b-sft.yaml", "qwen2.5-7b.yaml"} <= names
+    assert {"tiny-cpu.yaml", "qwen2.5-72b-pretrain.yaml", "qwen2.5-72b-sft.yaml", "qwen2.5-7b.yaml",
+            "qwen2.5-72b-sft-h100.yaml"} <= names
 
 
 @pytest.mark.parametrize("recipe", RECIPES, ids=recipe_id)
@@ -131,9 +134,10 @@ def test_recipe_mesh_multiplies_to_the_devices_and_keeps_tp_inside_a_node(recipe
 
     config = printed_config(recipe)
     mesh = mesh_of(config)
-    assert mesh["tp"] * mesh["pp"] * mesh["dp"] == mesh["world"], mesh
-    assert mesh["devices"] % mesh["tp"] == 0, f"tp={mesh['tp']} leaves the node of {mesh['devices']} devices"
-    dims = ParallelDims.resolve(mesh["tp"], mesh["pp"], mesh["dp"], mesh["world"], devices_per_node=mesh["devices"])
+    assert mesh["tp"] * mesh["cp"] * mesh["pp"] * mesh["dp"] == mesh["world"], mesh
+    assert mesh["devices"] % (mesh["tp"] * mesh["cp"]) == 0, f"tp x cp leaves the node of {mesh['devices']} devices"
+    dims = ParallelDims.resolve(mesh["tp"], mesh["pp"], mesh["dp"], mesh["world"], devices_per_node=mesh["devices"],
+                                cp=mesh["cp"], dp_shard=mesh["dp_shard"] or None)
     module = CausalLM(config["model"]["model"])
     virtual = int(config["trainer"]["strategy"]["init_args"]["virtual_stages"])
     dims.check_model(module.parallel_spec().tp_divisible, module.num_blocks(), virtual)

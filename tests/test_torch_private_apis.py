@@ -10,7 +10,7 @@ Wrappers (in ``lightning_hybrid.distributed``) and the private APIs they use:
   ``stage_index_to_group_rank`` and ``_num_stages``;
 - ``parallel_dims._group_timeout``: ``torch.distributed.distributed_c10d.default_pg_timeout`` and
   ``default_pg_nccl_timeout``, read by ``new_group`` when DeviceMesh creates its groups;
-- ``parallel_dims._lightning_names``: ``DeviceMesh._flatten``;
+- ``parallel_dims._flatten_groups``: ``DeviceMesh._flatten`` (the dp x cp, HSDP and Lightning names of the mesh);
 - ``clip_grad.use_global_norm_clipping``: Lightning's ``Precision.clip_gradients(optimizer, val, "norm")`` calling
   ``self.clip_grad_by_norm(optimizer, val)``;
 - ``clip_grad._is_split``: ``torch.distributed.tensor.placement_types._StridedShard``;
@@ -42,7 +42,7 @@ from lightning_hybrid.launch.torchrun import free_port
 
 FORWARD_ONLY_ORDER = "lightning_hybrid.distributed.pipeline.runner.forward_only_order"
 GROUP_TIMEOUT = "lightning_hybrid.distributed.parallel_dims._group_timeout"
-LIGHTNING_NAMES = "lightning_hybrid.distributed.parallel_dims._lightning_names"
+LIGHTNING_NAMES = "lightning_hybrid.distributed.parallel_dims._flatten_groups"
 GLOBAL_NORM_CLIPPING = "lightning_hybrid.distributed.clip_grad.use_global_norm_clipping"
 IS_SPLIT = "lightning_hybrid.distributed.clip_grad._is_split"
 LOCAL_REGION = "lightning_hybrid.distributed.init_weights.local_region"

@@ -46,6 +46,10 @@ CASES = [
      "8 pipeline stages but the model has only 4 blocks; use at most 4 stages"),
     ("unknown_preset", FIT + ["--model.model", "tiny-xx"], "unknown model 'tiny-xx'; use a preset (tiny,"),
     ("devices_do_not_divide", FIT + ["--trainer.devices", "3"], "world size 3 is not divisible by tp*pp=2*1=2"),
+    ("cp_sequence_length", FIT + ["--trainer.strategy.init_args.tp", "1", "--trainer.strategy.init_args.cp", "2",
+                                  "--data.init_args.seq_len", "30"],
+     "sequence length 30 is not divisible by 2*cp=4 (the load-balanced split of cp=2); pad or pack sequences to a "
+     "multiple of 4 (e.g. 32)"),
     ("tp_does_not_divide_heads", FIT + ["--trainer.strategy.init_args.tp", "4", "--trainer.devices", "4"],
      "tp=4 does not divide num_key_value_heads=2; use tp in 1 or 2"),
     ("yaml_syntax", ["fit", "--config", "{bad_yaml}"],

@@ -167,6 +167,13 @@ def data_parallel_size(strategy: Any) -> int:
         return int(getattr(strategy, "world_size", 1))
 
 
+def context_parallel_size(strategy: Any) -> int:
+    """Ranks that share each sequence (``dims.cp`` of a hybrid strategy, else 1): a batch seen by a callback holds
+    ``1 / cp`` of every sequence's tokens."""
+    dims = parallel_dims(strategy)
+    return int(getattr(dims, "cp", 1)) if dims is not None else 1
+
+
 class ThroughputMonitor(pl.Callback):
     """Logs tokens/s, model TFLOP/s and MFU per device, step time, data wait and memory; finds stragglers.
 
@@ -179,9 +186,10 @@ class ThroughputMonitor(pl.Callback):
     it) and ``memory/peak_max_gib`` (the peak of the fullest device, one scalar all-reduce), to every
     logger of the Trainer from rank 0; ``tok/s`` and ``mfu`` go to the progress bar. Tokens per step
     are the global batch: ``input_ids.numel()`` times the data-parallel size (tensor and pipeline peers
-    see the same tokens). Step time runs from the train-batch-start hook to the batch-end hook (CUDA
-    synchronized); data wait from the previous batch end to the next batch start, with validation
-    left out. At the end of training rank 0 prints one summary line with tokens/s.
+    see the same tokens; under context parallelism a rank holds 1/cp of each sequence, so its count is
+    multiplied by cp and the FLOPs per token are those of the whole sequence length). Step time runs from the
+    train-batch-start hook to the batch-end hook (CUDA synchronized); data wait from the previous batch end to
+    the next batch start, with validation left out. At the end of training rank 0 prints one summary line with tokens/s.
 
     Straggler detection adds the only collectives: one ``all_gather_object`` of host names when
     training starts and one small ``all_gather`` every ``straggler_every_n_steps`` steps, on every rank
@@ -231,6 +239,7 @@ class ThroughputMonitor(pl.Callback):
         self._sync = self.synchronize and device.type == "cuda"
         self._world = max(1, int(trainer.world_size))
         self._dp = data_parallel_size(trainer.strategy)
+        self._cp = context_parallel_size(trainer.strategy)
         if self.peak_tflops is not None:
             self._peak, self._peak_source = self.peak_tflops * 1e12, "peak_tflops="
         else:
@@ -276,6 +285,8 @@ class ThroughputMonitor(pl.Callback):
                              batch_idx: int) -> None:
         now = self._now()
         tokens, seq_len = self.batch_tokens(batch)
+        # under context parallelism this rank's batch holds 1/cp of each sequence: count whole sequences
+        tokens, seq_len = tokens * self._cp, seq_len * self._cp
         if self._pending is None:
             self._pending = {"start": now, "step_time": 0.0, "data_wait": 0.0, "tokens": 0, "samples": 0,
                              "flops": 0.0}

@@ -1,9 +1,12 @@
-"""Data parallelism over the ``dp`` mesh dimension: FSDP2 sharding (ZeRO-3) or plain replication.
+"""Data parallelism over the ``dp`` mesh dimension: FSDP2 sharding (ZeRO-3), HSDP or plain replication.
 
 ``fsdp`` shards parameters, gradients and optimizer states over ``dp`` with ``fully_shard`` (one
 unit per block, then the root), all-gathering a block's weights just before it runs.
 ``replicate`` keeps a full copy per rank and averages the gradients with bucketed all-reduces once
-per optimizer step (not per accumulation micro-step).
+per optimizer step (not per accumulation micro-step). ``hsdp`` is FSDP2 over a 2-D
+``(dp_replicate, dp_shard)`` mesh: parameters sharded inside a shard group, gradients reduce-scattered
+there and then all-reduced across the replica groups. With context parallelism every mode spans dp x cp
+(the ranks that see different tokens).
 """
 
 from __future__ import annotations
@@ -19,7 +22,7 @@ if TYPE_CHECKING:
 
 __all__ = ["DATA_PARALLEL_MODES", "GRADIENT_BUCKET_BYTES", "apply_fsdp", "all_reduce_gradients", "all_reducing"]
 
-DATA_PARALLEL_MODES = ("fsdp", "replicate")
+DATA_PARALLEL_MODES = ("fsdp", "replicate", "hsdp")
 # Replicated gradients are all-reduced in buckets of about this size (also the planner's DP message size).
 GRADIENT_BUCKET_BYTES = 25 * 1024 * 1024
 
@@ -31,7 +34,7 @@ def apply_fsdp(model: nn.Module, blocks: nn.ModuleDict, dp_mesh: "DeviceMesh", r
     Args:
         model: the model or pipeline stage; its remaining parameters (embedding, norm, head) form the root unit.
         blocks: the blocks, each its own unit so only one block's full weights exist at a time.
-        dp_mesh: the 1-D data-parallel mesh.
+        dp_mesh: the 1-D data-parallel mesh (dp, or dp x cp flattened), or HSDP's 2-D (replicate, shard) mesh.
         reshard_after_forward: free a block's gathered weights after forward (re-gather in backward).
             Zero-bubble pipeline schedules need ``False``: their separate weight-gradient pass reads the
             gathered weights. The root unit keeps its weights gathered from forward to backward: backward

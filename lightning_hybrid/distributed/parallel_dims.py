@@ -1,8 +1,17 @@
-"""Parallel sizes: validation and the 3-D DeviceMesh ``("pp", "dp", "tp")``.
+"""Parallel sizes: validation and the DeviceMesh ``("pp", "dp", "cp", "tp")``.
 
 TP is the innermost (fastest varying) dimension, so with ``tp <= devices per node`` the ranks of a
-TP group are consecutive global ranks on one node and TP traffic stays on NVLink. DP comes next
-and PP outermost: the pipeline's point-to-point traffic is the lightest and may cross nodes.
+TP group are consecutive global ranks on one node and TP traffic stays on NVLink. Context parallelism (cp)
+comes next, inside the node where ``cp * tp`` fits (its K/V exchange is the second heaviest traffic), then DP
+and PP outermost: the pipeline's point-to-point traffic is the lightest and may cross nodes. The global rank of
+coordinates (pp, dp, cp, tp) is ``((pp * dp_size + dp) * cp_size + cp) * tp_size + tp``.
+
+HSDP (``data_parallel="hsdp"``) splits dp into ``("dp_replicate", "dp_shard")``, shard innermost:
+``dp = dp_replicate_index * dp_shard + dp_shard_index``, so a shard group is ``dp_shard * cp * tp`` consecutive
+ranks. The mesh then has the dimensions ``("pp", "dp_replicate", "dp_shard", "cp", "tp")`` and answers to
+``"dp"`` (the two flattened) as well. Every mesh also answers to ``"dp_cp"`` (dp x cp flattened: the ranks that
+see different tokens and average their gradients) and, with HSDP, ``"dp_shard_cp"`` (what FSDP shards over).
+A dimension ``cp`` of size 1 is left out of the mesh (``mesh["cp"]`` then does not exist).
 """
 
 from __future__ import annotations
@@ -17,8 +26,9 @@ if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
 
 __all__ = ["ParallelDims", "divisors", "format_choices", "build_mesh", "lightning_mesh", "new_gloo_group",
-           "tied_embedding_error", "MESH_DIMS", "LIGHTNING_MESH_DIMS"]
+           "tied_embedding_error", "MESH_DIMS", "LIGHTNING_MESH_DIMS", "data_mesh"]
 
+# The dimensions every mesh answers to by name (cp only when cp > 1).
 MESH_DIMS = ("pp", "dp", "tp")
 # The mesh Lightning's ModelParallelStrategy gives a LightningModule.
 LIGHTNING_MESH_DIMS = ("data_parallel", "tensor_parallel")
@@ -36,14 +46,16 @@ def format_choices(values: list[int]) -> str:
 
 @dataclass(frozen=True)
 class ParallelDims:
-    """Sizes of the pipeline, data and tensor parallel dimensions of a run.
+    """Sizes of the pipeline, data, context and tensor parallel dimensions of a run.
 
     Args:
         tp: tensor-parallel size (inside a node).
         pp: pipeline-parallel size (number of ranks in a pipeline).
-        dp: data-parallel size; ``None`` infers ``world_size // (tp * pp)``.
+        dp: data-parallel size; ``None`` infers ``world_size // (tp * pp * cp)``.
         world_size: total number of processes.
         devices_per_node: processes per node, to keep a TP group inside a node; ``None`` skips the check.
+        cp: context-parallel size (ranks sharing each sequence).
+        dp_replicate: HSDP replica groups (``dp // dp_shard``); 1 without HSDP.
 
     Raises:
         ValueError: a size is not a positive integer or the sizes do not multiply to the world size.
@@ -53,34 +65,50 @@ class ParallelDims:
     pp: int
     dp: int
     world_size: int
+    cp: int = 1
+    dp_replicate: int = 1
+
+    @property
+    def dp_shard(self) -> int:
+        """Ranks of a data-parallel shard group (HSDP); ``dp`` without HSDP."""
+        return self.dp // self.dp_replicate
+
+    @property
+    def data_ranks(self) -> int:
+        """Ranks that see different tokens of one model replica position and average gradients: ``dp * cp``."""
+        return self.dp * self.cp
 
     @classmethod
     def resolve(cls, tp: int, pp: int, dp: Optional[int], world_size: int,
-                devices_per_node: Optional[int] = None) -> "ParallelDims":
-        for name, value in (("tp", tp), ("pp", pp)):
+                devices_per_node: Optional[int] = None, cp: int = 1,
+                dp_shard: Optional[int] = None) -> "ParallelDims":
+        for name, value in (("tp", tp), ("pp", pp), ("cp", cp)):
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"{name}={value!r} must be a positive integer")
         if dp is not None and (not isinstance(dp, int) or isinstance(dp, bool) or dp < 1):
             raise ValueError(f"dp={dp!r} must be a positive integer or None (inferred from the world size)")
+        model_ranks = tp * pp * cp
+        names, values = ("cp*tp*pp", f"{cp}*{tp}*{pp}") if cp > 1 else ("tp*pp", f"{tp}*{pp}")
         if dp is None:
-            if world_size % (tp * pp):
+            if world_size % model_ranks:
                 fits = [d for d in divisors(world_size)]
                 raise ValueError(
-                    f"world size {world_size} is not divisible by tp*pp={tp}*{pp}={tp * pp}; "
-                    f"tp*pp must be one of {format_choices(fits)}"
+                    f"world size {world_size} is not divisible by {names}={values}={model_ranks}; "
+                    f"{names} must be one of {format_choices(fits)}"
                 )
-            dp = world_size // (tp * pp)
-        if tp * pp * dp != world_size:
+            dp = world_size // model_ranks
+        if model_ranks * dp != world_size:
             raise ValueError(
-                f"tp*pp*dp={tp}*{pp}*{dp}={tp * pp * dp} does not equal the world size {world_size}; "
+                f"{names}*dp={values}*{dp}={model_ranks * dp} does not equal the world size {world_size}; "
                 f"set dp=None to infer it or change the number of devices"
             )
+        replicate = _replicas(dp, dp_shard)
         if devices_per_node is not None and tp > devices_per_node and tp % devices_per_node:
             raise ValueError(
                 f"tp={tp} spans nodes unevenly with {devices_per_node} devices per node; use a tp that divides "
                 f"{devices_per_node} ({format_choices(divisors(devices_per_node))})"
             )
-        return cls(tp=tp, pp=pp, dp=dp, world_size=world_size)
+        return cls(tp=tp, pp=pp, dp=dp, world_size=world_size, cp=cp, dp_replicate=replicate)
 
     def check_model(self, tp_divisible: dict[str, int], num_blocks: int, stages_per_rank: int = 1) -> None:
         """Check that the model divides over this mesh.
@@ -101,9 +129,28 @@ class ParallelDims:
             )
 
     def coordinates(self, global_rank: int) -> dict[str, int]:
-        """(pp, dp, tp) coordinates of a global rank in the mesh."""
-        return {"pp": global_rank // (self.dp * self.tp), "dp": (global_rank // self.tp) % self.dp,
-                "tp": global_rank % self.tp}
+        """(pp, dp, tp) coordinates of a global rank in the mesh; also ``cp`` when cp > 1, and ``dp_replicate``
+        and ``dp_shard`` under HSDP."""
+        tp, cp, dp = self.tp, self.cp, self.dp
+        coords = {"pp": global_rank // (dp * cp * tp), "dp": (global_rank // (cp * tp)) % dp, "tp": global_rank % tp}
+        if cp > 1:
+            coords["cp"] = (global_rank // tp) % cp
+        if self.dp_replicate > 1:
+            coords["dp_replicate"], coords["dp_shard"] = divmod(coords["dp"], self.dp_shard)
+        return coords
+
+
+def _replicas(dp: int, dp_shard: Optional[int]) -> int:
+    """HSDP's replica count ``dp // dp_shard`` (1 without HSDP: ``dp_shard=None``).
+
+    Raises:
+        ValueError: ``dp_shard`` is not a positive divisor of ``dp``.
+    """
+    if dp_shard is None:
+        return 1
+    if not isinstance(dp_shard, int) or isinstance(dp_shard, bool) or dp_shard < 1 or dp % dp_shard:
+        raise ValueError(f"dp_shard={dp_shard!r} does not divide dp={dp}; use one of {format_choices(divisors(dp))}")
+    return dp // dp_shard
 
 
 def tied_embedding_error(tied: bool, tp: int, stages: int) -> str:
@@ -162,29 +209,53 @@ def checkpoint_groups(timeout: Optional[timedelta]) -> tuple[Any, Any]:
     return new_gloo_group(timeout), new_gloo_group(timeout)
 
 
-def _lightning_names(mesh: "DeviceMesh") -> None:
-    """Let ``mesh["data_parallel"]`` and ``mesh["tensor_parallel"]`` name the dp and tp dimensions.
+def _flatten_groups(mesh: "DeviceMesh", aliases: dict[str, tuple[str, ...]]) -> None:
+    """Let ``mesh[alias]`` name the group of the dimensions ``aliases[alias]`` (consecutive, in mesh order) flattened.
 
-    DeviceMesh has no public way to alias a dimension; ``_flatten`` of a single dimension registers it under a
-    new name. ``tests/test_torch_private_apis.py`` fails when it moves.
+    DeviceMesh has no public way to name a group of dimensions or to alias one; ``_flatten`` registers the group under
+    a new name. ``tests/test_torch_private_apis.py`` fails when it moves.
     """
-    mesh["dp"]._flatten("data_parallel")
-    mesh["tp"]._flatten("tensor_parallel")
+    for alias, dims in aliases.items():
+        mesh[dims]._flatten(alias)
+
+
+def _lightning_names(mesh: "DeviceMesh") -> None:
+    """Let ``mesh["data_parallel"]`` and ``mesh["tensor_parallel"]`` name the dp and tp dimensions."""
+    _flatten_groups(mesh, {"data_parallel": ("dp",), "tensor_parallel": ("tp",)})
 
 
 def build_mesh(dims: ParallelDims, device_type: str, timeout: Optional[timedelta] = None) -> "DeviceMesh":
-    """The DeviceMesh ``("pp", "dp", "tp")`` over the default process group, its groups timing out after ``timeout``.
+    """The DeviceMesh ``("pp", "dp", "tp")`` over the default process group, its groups timing out after ``timeout``;
+    ``("pp", "dp", "cp", "tp")`` with cp > 1, and ``"dp"`` split into ``("dp_replicate", "dp_shard")`` under HSDP
+    (see the module docstring for the order and the flattened names).
 
-    It also answers to Lightning's ``ModelParallelStrategy`` names: ``mesh["data_parallel"]`` and
-    ``mesh["tensor_parallel"]`` are the ``dp`` and ``tp`` dimensions, so a ``configure_model`` written for
+    Without cp and HSDP it also answers to Lightning's ``ModelParallelStrategy`` names: ``mesh["data_parallel"]``
+    and ``mesh["tensor_parallel"]`` are the ``dp`` and ``tp`` dimensions, so a ``configure_model`` written for
     that strategy keeps working.
     """
     from torch.distributed.device_mesh import init_device_mesh
 
+    hsdp = dims.dp_replicate > 1
+    data = ("dp_replicate", "dp_shard") if hsdp else ("dp",)
+    names = ("pp",) + data + (("cp",) if dims.cp > 1 else ()) + ("tp",)
+    sizes = {"pp": dims.pp, "dp": dims.dp, "dp_replicate": dims.dp_replicate, "dp_shard": dims.dp_shard,
+             "cp": dims.cp, "tp": dims.tp}
     with _group_timeout(timeout):
-        mesh = init_device_mesh(device_type, (dims.pp, dims.dp, dims.tp), mesh_dim_names=MESH_DIMS)
-        _lightning_names(mesh)
+        mesh = init_device_mesh(device_type, tuple(sizes[n] for n in names), mesh_dim_names=names)
+        cp = ("cp",) if dims.cp > 1 else ()
+        aliases = {"dp": data, "dp_shard_cp": ("dp_shard",) + cp} if hsdp else {}
+        _flatten_groups(mesh, {**aliases, "dp_cp": data + cp})
+        if not hsdp and dims.cp == 1:
+            _lightning_names(mesh)
     return mesh
+
+
+def data_mesh(mesh: "DeviceMesh", dims: ParallelDims) -> "DeviceMesh":
+    """The mesh FSDP2 shards over: ``dp x cp`` flattened (1-D), or ``("dp_replicate", "dp_shard_cp")`` (2-D: replicate
+    across groups, shard within) under HSDP."""
+    if dims.dp_replicate > 1:
+        return mesh[("dp_replicate", "dp_shard_cp")]
+    return mesh["dp_cp"] if dims.cp > 1 else mesh["dp"]
 
 
 def lightning_mesh(mesh: "DeviceMesh", dims: ParallelDims, device_type: str,

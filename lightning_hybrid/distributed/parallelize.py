@@ -21,8 +21,9 @@ from lightning_hybrid.distributed.activation_checkpoint import (
     compile_blocks,
     resolve_selective,
 )
+from lightning_hybrid.distributed.context_parallel import context_parallel_error, install_context_parallel
 from lightning_hybrid.distributed.data_parallel import DATA_PARALLEL_MODES, apply_fsdp
-from lightning_hybrid.distributed.parallel_dims import ParallelDims
+from lightning_hybrid.distributed.parallel_dims import ParallelDims, data_mesh
 from lightning_hybrid.distributed.pipeline.schedules import PP_SCHEDULES, default_microbatches, validate_schedule
 from lightning_hybrid.distributed.pipeline.split import plan_stages
 from lightning_hybrid.distributed.tensor_parallel import apply_tensor_parallel
@@ -122,17 +123,24 @@ class ParallelOptions:
     # Lightning's ModelParallelStrategy names for dp and tp; "auto" as there: dp = nodes, tp = devices per node.
     data_parallel_size: Optional[Union[int, Literal["auto"]]] = None
     tensor_parallel_size: Optional[Union[int, Literal["auto"]]] = None
+    # Context parallelism (sequence split across cp ranks) and HSDP's shard-group size.
+    cp: int = 1
+    dp_shard: Optional[int] = None
 
     def __post_init__(self) -> None:
-        for name in ("tp", "pp", "virtual_stages"):
+        for name in ("tp", "pp", "virtual_stages", "cp"):
             positive_int(name, getattr(self, name))
         positive_int("dp", self.dp, allow_none=True)
+        positive_int("dp_shard", self.dp_shard, allow_none=True)
         lightning_size("data_parallel_size", self.data_parallel_size)
         lightning_size("tensor_parallel_size", self.tensor_parallel_size)
         self.tp = _alias("tp", self.tp, 1, "tensor_parallel_size", self.tensor_parallel_size)
         self.dp = _alias("dp", self.dp, None, "data_parallel_size", self.data_parallel_size)
         positive_int("microbatches", self.microbatches, allow_none=True)
         self.data_parallel = choice("data_parallel", self.data_parallel, DATA_PARALLEL_MODES)
+        if (self.dp_shard is not None) != (self.data_parallel == "hsdp"):
+            raise ValueError(f"data_parallel={self.data_parallel!r} with dp_shard={self.dp_shard!r}: HSDP needs both "
+                             f"(data_parallel='hsdp', dp_shard=ranks per shard group), other modes neither")
         self.sequence_parallel = bool(self.sequence_parallel)
         self.pp_schedule = choice("pp_schedule", self.pp_schedule, PP_SCHEDULES)
         self.activation_checkpointing = choice("activation_checkpointing", self.activation_checkpointing,
@@ -163,9 +171,14 @@ class ParallelOptions:
 
     def layout(self, dims: ParallelDims) -> dict[str, Any]:
         """The layout a checkpoint records: sizes, data-parallel mode, stages per rank and schedule."""
-        return {"tp": dims.tp, "pp": dims.pp, "dp": dims.dp, "world_size": dims.world_size,
-                "data_parallel": self.data_parallel, "virtual_stages": self.virtual_stages,
-                "pp_schedule": self.pp_schedule}
+        layout = {"tp": dims.tp, "pp": dims.pp, "dp": dims.dp, "world_size": dims.world_size,
+                  "data_parallel": self.data_parallel, "virtual_stages": self.virtual_stages,
+                  "pp_schedule": self.pp_schedule}
+        if dims.cp > 1:
+            layout["cp"] = dims.cp
+        if dims.dp_replicate > 1:
+            layout.update(dp_shard=dims.dp_shard, dp_replicate=dims.dp_replicate)
+        return layout
 
     def param_dtype(self, precision: str) -> Optional[torch.dtype]:
         """Compute dtype of FSDP2's gathered weights: bf16 under ``bf16-mixed`` (the shards stay fp32)."""
@@ -194,7 +207,13 @@ def check_options(options: ParallelOptions, world_size: int, devices_per_node: O
         ValueError: sizes that do not fit the world or the model, or a feature the module cannot use.
     """
     tp, dp = options.sizes(world_size, devices_per_node)
-    dims = ParallelDims.resolve(tp, options.pp, dp, world_size, devices_per_node=devices_per_node)
+    dims = ParallelDims.resolve(tp, options.pp, dp, world_size, devices_per_node=devices_per_node, cp=options.cp,
+                                dp_shard=options.dp_shard)
+    cp_error = context_parallel_error(spec, options.cp, module_name) or (
+        options.cp > 1 and options.compile and f"compile=True with cp={options.cp} is not supported (the ring "
+        f"attention's collectives are not traced); use compile=False or cp=1")
+    if cp_error:
+        raise ValueError(cp_error)
     if spec is not None and precision not in DECLARED_PRECISIONS:
         raise ValueError(f"precision={precision!r} is not supported for a declared model; "
                          f"use one of {DECLARED_PRECISIONS}")
@@ -247,6 +266,9 @@ def parallelize(module: nn.Module, spec: ParallelSpec, options: ParallelOptions,
         reshard_after_forward: FSDP2's for the blocks; zero-bubble pipeline schedules need ``False``.
     """
     convert_module(module)
+    if dims.cp > 1:
+        cp_mesh = mesh["cp"]
+        install_context_parallel(module, spec, cp_mesh.get_group(), dims.cp, cp_mesh.get_local_rank())
     if dims.tp > 1:
         apply_tensor_parallel(module, spec, mesh["tp"], options.sequence_parallel)
     blocks = getattr(module, spec.blocks, None)
@@ -255,8 +277,9 @@ def parallelize(module: nn.Module, spec: ParallelSpec, options: ParallelOptions,
                                        spec.block_attention)
         if options.compile:
             compile_blocks(blocks, parts=spec.block_norm_consumers if dims.tp > 1 else None)
-    if dims.dp > 1 and options.data_parallel == "fsdp":
-        apply_fsdp(module, getattr(module, spec.blocks), mesh["dp"], param_dtype=options.param_dtype(precision),
-                   reduce_dtype=options.reduction_dtype(precision), reshard_after_forward=reshard_after_forward)
+    if dims.data_ranks > 1 and options.data_parallel != "replicate":
+        apply_fsdp(module, getattr(module, spec.blocks), data_mesh(mesh, dims),
+                   param_dtype=options.param_dtype(precision), reduce_dtype=options.reduction_dtype(precision),
+                   reshard_after_forward=reshard_after_forward)
     module.to_empty(device=device)
 

@@ -40,6 +40,11 @@ class ParallelSpec:
             full sequence under sequence parallelism.
         block_attention: attribute name of a block's attention submodule (recomputed alone by
             ``activation_checkpointing="selective", selective_ac="attention"``).
+        attention_core: attribute of ``block_attention`` holding its causal attention core, a
+            :class:`~lightning_hybrid.models.attention.CausalAttention` (or one with its interface) that the model
+            calls for attention and for the global token positions of RoPE. Context parallelism (``cp>1``)
+            replaces it with ring attention over the sequence shards; ``None``: the model declares none, and
+            cannot be trained with ``cp>1``.
         tp_divisible: config field -> value that the tensor-parallel size must divide.
         block_cost: relative compute cost of one block (for pipeline balancing).
         embedding_cost: relative cost of the embedding, in the same unit.
@@ -54,6 +59,7 @@ class ParallelSpec:
     block_norms: tuple[str, ...] = ()
     block_norm_consumers: tuple[str, ...] = ()
     block_attention: Optional[str] = None
+    attention_core: Optional[str] = None
     tp_divisible: dict[str, int] = field(default_factory=dict)
     block_cost: float = 1.0
     embedding_cost: float = 0.0

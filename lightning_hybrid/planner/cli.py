@@ -17,7 +17,7 @@ from lightning_hybrid.planner.interval import (
     checkpoint_plan,
 )
 from lightning_hybrid.planner.memory import OPTIMIZERS, PRECISIONS
-from lightning_hybrid.planner.search import Estimate, Problem, explain, search
+from lightning_hybrid.planner.search import Estimate, Layout, Problem, explain, search
 from lightning_hybrid.planner.step_time import GEMM_PEAK_EFFICIENCY, Hardware
 
 __all__ = ["build_parser", "build_problem", "run_plan", "assumptions", "explain_time", "format_table"]
@@ -144,11 +144,18 @@ def _gb(x: float) -> str:
     return f"{x / 1e9:.1f}"
 
 
+def _dp_mode(layout: Layout) -> str:
+    """The data-parallel column: the mode, HSDP with its shard group (``hsdp/8``), ``none`` without dp."""
+    if layout.dp == 1:
+        return "none"
+    return f"hsdp/{layout.dp_shard}" if layout.data_parallel == "hsdp" else layout.data_parallel
+
+
 def format_table(rows: list[Estimate]) -> str:
     """The ranked table: layout, memory breakdown (GB), step time breakdown (s), MFU, tokens/s."""
-    head = (f"{'#':>3} {'tp':>2} {'pp':>3} {'dp':>3} {'dp-mode':<9} {'mbs':>3} {'m':>4} {'schedule':<13} "
+    head = (f"{'#':>3} {'tp':>2} {'cp':>2} {'pp':>3} {'dp':>3} {'dp-mode':<9} {'mbs':>3} {'m':>4} {'schedule':<13} "
             f"{'recomp':<9} {'sp':<2} | {'wts':>5} {'grad':>5} {'opt':>5} {'act':>6} {'other':>5} {'total':>6} "
-            f"/{'usable':>6} | {'step':>6} {'comp':>6} {'recomp':>6} {'tp':>6} {'bubble':>6} {'dp':>6} | {'MFU':>5} "
+            f"/{'usable':>6} | {'step':>6} {'comp':>6} {'recomp':>6} {'tp+cp':>6} {'bubble':>6} {'dp':>6} | {'MFU':>5} "
             f"{'tok/s':>8}")
     lines = [head, "-" * len(head)]
     for i, e in enumerate(rows, 1):
@@ -157,12 +164,13 @@ def format_table(rows: list[Estimate]) -> str:
             f" v={L.virtual_stages}" if L.virtual_stages > 1 else "")
         other = m["working"] + m["fsdp_buffers"] + m["autocast_copies"]
         lines.append(
-            f"{i:>3} {L.tp:>2} {L.pp:>3} {L.dp:>3} {(L.data_parallel if L.dp > 1 else 'none'):<9} "
+            f"{i:>3} {L.tp:>2} {L.cp:>2} {L.pp:>3} {L.dp:>3} {_dp_mode(L):<9} "
             f"{L.micro_batch_size:>3} {L.microbatches:>4} {sched:<13} {L.recompute:<9} "
             f"{('y' if L.sequence_parallel else 'n'):<2} | {_gb(m['weights']):>5} {_gb(m['gradients']):>5} "
             f"{_gb(m['optimizer']):>5} {_gb(m['activations']):>6} {_gb(other):>5} {_gb(m['total']):>6} "
             f"/{_gb(e.usable):>6} | {t['step']:>6.2f} {t['compute']:>6.2f} {t['recompute']:>6.2f} "
-            f"{t['tp_comm']:>6.2f} {t['pp_bubble']:>6.2f} {t['dp_comm'] + t['optimizer']:>6.2f} | {e.mfu:>5.1%} "
+            f"{t['tp_comm'] + t.get('cp_comm', 0.0):>6.2f} {t['pp_bubble']:>6.2f} "
+            f"{t['dp_comm'] + t['optimizer']:>6.2f} | {e.mfu:>5.1%} "
             f"{e.tokens_per_second:>8.0f}")
     return "\n".join(lines)
 

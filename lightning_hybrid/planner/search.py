@@ -84,10 +84,26 @@ class Layout:
     virtual_stages: int = 1
     recompute: str = "none"
     sequence_parallel: bool = False
+    cp: int = 1  # context parallel: each sequence split over cp ranks (next to tp), FSDP over dp x cp
+    dp_shard: int = 0  # HSDP's shard group (data_parallel "hsdp"); 0 otherwise
+
+    @property
+    def data_ranks(self) -> int:
+        """Ranks that see different tokens of one replica position and average gradients: dp x cp."""
+        return self.dp * self.cp
+
+    @property
+    def shard_ranks(self) -> int:
+        """Ranks FSDP shards the parameters over: dp x cp, or dp_shard x cp under HSDP."""
+        return (self.dp_shard if self.data_parallel == "hsdp" else self.dp) * self.cp
 
     def describe(self) -> str:
         """One line naming every choice, as the explanations print it."""
         mode = self.data_parallel if self.dp > 1 else "none"
+        if self.data_parallel == "hsdp":
+            mode += f"(shard={self.dp_shard})"
+        if self.cp > 1:
+            mode = f"cp={self.cp} {mode}"
         sched = self.schedule if self.pp > 1 else "-"
         if self.virtual_stages > 1:
             sched += f"(v={self.virtual_stages})"
@@ -187,6 +203,7 @@ class _LayoutShape:
     last_stage: int
     fsdp: bool  # FSDP over dp > 1 (else replication or no data parallelism)
     precision: Precision
+    gathered_kv: float = 0.0  # bytes per block and micro-batch of the other cp ranks' K/V kept for backward
 
 
 @dataclass(frozen=True)
@@ -199,6 +216,7 @@ class _Work:
     recompute: float = 0.0
     tp: float = 0.0  # exposed TP collectives of forward and backward
     gemm_flops: float = 0.0
+    cp: float = 0.0  # the K/V exchange of context parallelism, forward (all-gather) and backward (reduce-scatter)
 
     def __add__(self, other: "_Work") -> "_Work":
         return _Work(*(x + y for x, y in zip(astuple(self), astuple(other))))
@@ -213,7 +231,7 @@ class _Work:
 
     @property
     def total(self) -> float:
-        return self.compute + self.recompute + self.tp
+        return self.compute + self.recompute + self.tp + self.cp
 
 
 @dataclass(frozen=True)
@@ -229,20 +247,31 @@ def _layout_shape(problem: Problem, layout: Layout) -> _LayoutShape:
     num_stages = layout.pp * layout.virtual_stages
     activations = activation_model(problem.config, layout.tp, layout.sequence_parallel, layout.recompute,
                                    problem.precision, problem.seq_len)
-    return _LayoutShape(tokens=layout.micro_batch_size * problem.seq_len, activations=activations,
+    # a rank holds seq_len / cp tokens of each sequence: activations and per-token work divide by cp
+    return _LayoutShape(tokens=layout.micro_batch_size * problem.seq_len // layout.cp, activations=activations,
                         rank_stages=rank_stages(layout.pp, layout.virtual_stages),
                         stage_blocks=split_blocks(problem.config, num_stages), last_stage=num_stages - 1,
-                        fsdp=layout.data_parallel == "fsdp" and layout.dp > 1,
-                        precision=PRECISIONS[problem.precision])
+                        fsdp=layout.data_parallel != "replicate" and layout.data_ranks > 1,
+                        precision=PRECISIONS[problem.precision], gathered_kv=_gathered_kv_bytes(problem, layout))
+
+
+def _gathered_kv_bytes(problem: Problem, layout: Layout) -> float:
+    """The K/V of the other cp ranks that ring attention keeps per block for backward (at the K/V's own heads; none
+    under full recompute, which keeps only the block input)."""
+    if layout.cp == 1 or layout.recompute == "full":
+        return 0.0
+    c, a = problem.config, _activation_bytes(problem)[0]
+    others = layout.micro_batch_size * problem.seq_len * (layout.cp - 1) // layout.cp
+    return 2.0 * others * c.num_key_value_heads // layout.tp * c.head_dim * a
 
 
 def _held_activation_bytes(layout: Layout, shape: _LayoutShape, pp_rank: int) -> float:
     """Activations a pipeline rank holds at its peak: its in-flight micro-batches on each of its stages."""
     act, counts = shape.activations, shape.stage_blocks
     inflight = inflight_microbatches(layout.schedule, layout.pp, layout.virtual_stages, layout.microbatches, pp_rank)
-    return sum(n * (counts[s] * act.layer + (act.embedding if s == 0 else 0)
-                    + (act.head if s == shape.last_stage else 0))
-               for n, s in zip(inflight, shape.rank_stages[pp_rank])) * shape.tokens
+    return sum(n * ((counts[s] * act.layer + (act.embedding if s == 0 else 0)
+                     + (act.head if s == shape.last_stage else 0)) * shape.tokens + counts[s] * shape.gathered_kv)
+               for n, s in zip(inflight, shape.rank_stages[pp_rank]))
 
 
 def _data_parallel_buffer_bytes(config: Qwen2Config, layout: Layout, shape: _LayoutShape,
@@ -255,7 +284,7 @@ def _data_parallel_buffer_bytes(config: Qwen2Config, layout: Layout, shape: _Lay
     if shape.fsdp:  # the root unit (embedding, norm, head) stays gathered; two blocks in flight with prefetch
         block = _block_numel(config, layout.tp) * prec.param
         return gathered - block * state["blocks"] + FSDP_BLOCKS_IN_FLIGHT * block
-    return GRADIENT_BUCKET_BYTES if layout.dp > 1 else 0.0
+    return GRADIENT_BUCKET_BYTES if layout.data_ranks > 1 else 0.0
 
 
 def _autocast_copy_bytes(config: Qwen2Config, layout: Layout, shape: _LayoutShape, state: dict[str, int]) -> float:
@@ -275,7 +304,8 @@ def _rank_memory_breakdown(problem: Problem, layout: Layout, shape: _LayoutShape
                            pp_rank: int) -> tuple[dict[str, float], dict[str, int]]:
     """(memory breakdown in bytes, :func:`rank_memory`'s figures) of pipeline rank ``pp_rank``."""
     prec, act = shape.precision, shape.activations
-    state = _rank_memory(problem.config, layout.tp, layout.pp, layout.dp, "fsdp" if shape.fsdp else "replicate",
+    state = _rank_memory(problem.config, layout.tp, layout.pp, layout.shard_ranks if shape.fsdp else layout.data_ranks,
+                         "fsdp" if shape.fsdp else "replicate",
                          pp_rank, problem.precision, problem.optimizer, layout.virtual_stages)
     held = _held_activation_bytes(layout, shape, pp_rank)
     has_head = shape.last_stage in shape.rank_stages[pp_rank]
@@ -340,7 +370,23 @@ def _block_work(problem: Problem, layout: Layout, tokens: int) -> _Work:
         recompute = sum(gemms[name] for name in policy.matmuls) / 3 + elementwise + gathers
     return _Work(gemm=sum(gemms.values()), attention=attention, elementwise=elementwise * (1 + ELEMENTWISE_BACKWARD),
                  recompute=recompute, tp=TP_ALL_REDUCES_PER_BLOCK * one,
-                 gemm_flops=sum(6 * tokens * k * n for k, n in shapes.values()))
+                 gemm_flops=sum(6 * tokens * k * n for k, n in shapes.values()),
+                 cp=_cp_seconds(problem, layout, tokens))
+
+
+def _cp_seconds(problem: Problem, layout: Layout, tokens: int) -> float:
+    """One block's K/V exchange under context parallelism, not overlapped: all-gather of this rank's K and V
+    (``tokens`` local tokens, its TP share of the kv heads) in forward, reduce-scatter of their gradients in backward
+    (and the all-gather again when the block is recomputed)."""
+    if layout.cp == 1:
+        return 0.0
+    c, hw = problem.config, problem.hw
+    nbytes = 2 * tokens * layout.cp * c.num_key_value_heads // layout.tp * c.head_dim * _activation_bytes(problem)[0]
+    inter_node = layout.tp * layout.cp > hw.gpus_per_node  # cp ranks are tp apart
+    one = functools.partial(collective_seconds, nbytes=nbytes, ranks=layout.cp,
+                            bus_bandwidth=hw.bus_bandwidth(inter_node), latency=hw.latency(inter_node))
+    gathers = 2 if layout.recompute == "full" else 1
+    return gathers * one("all_gather") + one("reduce_scatter")
 
 
 def _head_work(problem: Problem, layout: Layout, tokens: int) -> _Work:
@@ -380,12 +426,13 @@ def _rank_cost(problem: Problem, layout: Layout, shape: _LayoutShape, pp_rank: i
 
 def _data_parallel_seconds(problem: Problem, layout: Layout, shape: _LayoutShape, slowest: _RankCost) -> float:
     """Exposed DP communication per step (see :mod:`lightning_hybrid.planner.step_time`)."""
-    if layout.dp == 1:
+    if layout.data_ranks == 1:
         return 0.0
     hw, prec, state, rt = problem.hw, shape.precision, slowest.state, problem.runtime
-    inter_node = _spans_nodes([d * layout.tp for d in range(layout.dp)], hw.gpus_per_node)
-    dp_collective = functools.partial(collective_seconds, ranks=layout.dp, bus_bandwidth=hw.bus_bandwidth(inter_node),
-                                      latency=hw.latency(inter_node))
+    # the data ranks (dp x cp, or HSDP's shard group) are tp apart
+    inter_node = _spans_nodes([d * layout.tp for d in range(layout.shard_ranks)], hw.gpus_per_node)
+    dp_collective = functools.partial(collective_seconds, ranks=layout.shard_ranks,
+                                      bus_bandwidth=hw.bus_bandwidth(inter_node), latency=hw.latency(inter_node))
     param_bytes = min(prec.param, LOW_PRECISION_BYTES) if rt.low_precision_params else prec.param
     # what overlapped per-step collectives hide behind: the last micro-batch and the rank's idle pipeline drain
     window = slowest.work.total * (1 + (layout.pp - 1) / layout.virtual_stages)
@@ -396,7 +443,8 @@ def _data_parallel_seconds(problem: Problem, layout: Layout, shape: _LayoutShape
             return max(0.0, comm - window)
         return dp_collective("all_reduce", state["grad_numel"] * prec.grad)
     gather = dp_collective("all_gather", state["stage_param_numel"] * param_bytes)
-    scatter = dp_collective("reduce_scatter", state["stage_param_numel"] * prec.grad)
+    scatter = dp_collective("reduce_scatter", state["stage_param_numel"] * prec.grad) + _replica_all_reduce(
+        problem, layout, state["stage_param_numel"] * prec.grad / layout.shard_ranks)
     if layout.pp > 1:
         return max(0.0, gather + scatter - window) if rt.dp_overlap else gather + scatter
     per_microbatch = 2 * gather + scatter  # forward and backward all-gather, one reduce-scatter
@@ -404,11 +452,22 @@ def _data_parallel_seconds(problem: Problem, layout: Layout, shape: _LayoutShape
     return layout.microbatches * max(0.0, per_microbatch - slowest.work.total) + first_unit
 
 
+def _replica_all_reduce(problem: Problem, layout: Layout, nbytes: float) -> float:
+    """HSDP's second level: the all-reduce of each rank's reduce-scattered gradient shard (``nbytes``) across the
+    ``dp // dp_shard`` replica groups, whose peers are a shard group apart (across nodes once it fills one)."""
+    if layout.data_parallel != "hsdp" or layout.dp == layout.dp_shard:
+        return 0.0
+    hw, stride = problem.hw, layout.tp * layout.shard_ranks
+    inter_node = _spans_nodes([r * stride for r in range(layout.dp // layout.dp_shard)], hw.gpus_per_node)
+    return collective_seconds("all_reduce", nbytes, layout.dp // layout.dp_shard, hw.bus_bandwidth(inter_node),
+                              hw.latency(inter_node))
+
+
 def _pipeline_bubble_seconds(problem: Problem, layout: Layout, shape: _LayoutShape, slowest: _RankCost) -> float:
     """Idle time of the pipeline's warm-up and cool-down, with their point-to-point transfers."""
     p2p = 0.0
     if layout.pp > 1:
-        hw, neighbours = problem.hw, layout.tp * layout.dp  # pipeline neighbours are tp*dp ranks apart
+        hw, neighbours = problem.hw, layout.tp * layout.data_ranks  # pipeline neighbours are tp*dp*cp ranks apart
         # the slowest boundary sets the pace
         inter_node = any(i // hw.gpus_per_node != (i + neighbours) // hw.gpus_per_node
                          for i in range((layout.pp - 1) * neighbours))
@@ -452,6 +511,8 @@ def estimate(problem: Problem, layout: Layout) -> Estimate:
             "pp_bubble": _pipeline_bubble_seconds(problem, layout, shape, slowest),
             "dp_comm": _data_parallel_seconds(problem, layout, shape, slowest),
             "optimizer": _optimizer_seconds(problem, shape, slowest)}
+    if layout.cp > 1:
+        time["cp_comm"] = m * work.cp
     time["step"] = sum(time.values())
     step_tokens = problem.global_batch * problem.seq_len
     model_flops = step_tokens * flops_per_token(problem.config, problem.seq_len)
@@ -461,12 +522,34 @@ def estimate(problem: Problem, layout: Layout) -> Estimate:
                     fullest, checkpoint_bytes=checkpoint_bytes, detail=_time_detail(problem, layout, shape, work))
 
 
+def context_sizes(problem: Problem, tp: int) -> list[int]:
+    """The cp sizes worth planning with ``tp``: 1, and powers of two with cp x tp inside a node and a sequence that
+    splits into 2 x cp chunks."""
+    sizes, cp = [1], 2
+    while tp * cp <= problem.hw.gpus_per_node and problem.seq_len % (2 * cp) == 0:
+        sizes.append(cp)
+        cp *= 2
+    return sizes
+
+
+def _modes(dp: int, gpus_per_node: int, tp: int, cp: int) -> list[tuple[str, int]]:
+    """(data parallel mode, dp_shard): FSDP, replication, and HSDP with a shard group of one node's ranks."""
+    if dp == 1:
+        return [("replicate", 0)]
+    modes = [("fsdp", 0), ("replicate", 0)]
+    shard = gpus_per_node // (tp * cp) if gpus_per_node % (tp * cp) == 0 else 0
+    if 1 < shard < dp and dp % shard == 0:
+        modes.append(("hsdp", shard))
+    return modes
+
+
 def candidates(problem: Problem, tp: int, pp: int,
-               modes: Optional[tuple[str, ...]] = None) -> Iterator[Layout]:
+               modes: Optional[tuple[str, ...]] = None, cp: int = 1) -> Iterator[Layout]:
     """Every micro-batching, schedule, recompute and sequence-parallel variant of one mesh."""
-    dp = problem.hw.gpus // (tp * pp)
+    dp = problem.hw.gpus // (tp * pp * cp)
     per_replica = problem.global_batch // dp
-    for mode in modes or (("fsdp", "replicate") if dp > 1 else ("replicate",)):
+    choices = _modes(dp, problem.hw.gpus_per_node, tp, cp)
+    for mode, shard in ([c for c in choices if c[0] in modes] if modes else choices):
         for mbs in MICRO_BATCH_SIZES:
             if per_replica % mbs:
                 continue
@@ -481,7 +564,7 @@ def candidates(problem: Problem, tp: int, pp: int,
                         continue
                 for recompute in RECOMPUTE:
                     for sp in ((False, True) if tp > 1 else (False,)):
-                        yield Layout(tp, pp, dp, mode, mbs, m, schedule, v, recompute, sp)
+                        yield Layout(tp, pp, dp, mode, mbs, m, schedule, v, recompute, sp, cp, shard)
 
 
 def meshes(problem: Problem) -> list[tuple[int, int, str]]:
@@ -515,16 +598,18 @@ def search(problem: Problem) -> tuple[list[Estimate], list[Estimate]]:
     for tp, pp, reason in meshes(problem):
         if reason:
             continue
-        for layout in candidates(problem, tp, pp):
+        for layout in (c for cp in context_sizes(problem, tp) if problem.hw.gpus % (tp * pp * cp) == 0
+                       for c in candidates(problem, tp, pp, cp=cp)):
             e = estimate(problem, layout)
-            key = (tp, pp, layout.data_parallel, layout.micro_batch_size, layout.schedule, layout.virtual_stages)
+            key = (tp, pp, layout.cp, layout.data_parallel, layout.micro_batch_size, layout.schedule,
+                   layout.virtual_stages)
             if _better(e, best.get(key)):
                 best[key] = e
-            mesh_key = (tp, pp, layout.data_parallel)
+            mesh_key = (tp, pp, layout.cp, layout.data_parallel)
             if smallest.get(mesh_key) is None or e.memory["total"] < smallest[mesh_key].memory["total"]:
                 smallest[mesh_key] = e
     feasible = sorted((e for e in best.values() if e.fits), key=lambda e: (e.time["step"], e.memory["total"]))
-    fitting_meshes = {(e.layout.tp, e.layout.pp, e.layout.data_parallel) for e in feasible}
+    fitting_meshes = {(e.layout.tp, e.layout.pp, e.layout.cp, e.layout.data_parallel) for e in feasible}
     infeasible = sorted((e for k, e in smallest.items() if k not in fitting_meshes), key=lambda e: e.memory["total"])
     return feasible, infeasible
 

@@ -202,7 +202,8 @@ def build_pipeline(model: nn.Module, spec: ParallelSpec, options: ParallelOption
     for stage in stages:
         timer.wrap(stage)
     return PipelineRunner(stages, model.loss_sum, options.pp_schedule, options.num_microbatches, pp_group,
-                          mesh["dp"].get_group() if dims.dp > 1 else None, dims.dp, dims.pp, options.virtual_stages,
+                          mesh["dp_cp"].get_group() if dims.data_ranks > 1 else None, dims.data_ranks, dims.pp,
+                          options.virtual_stages,
                           timer, container)
 
 

@@ -325,6 +325,7 @@ def parallel_spec(config: Qwen2Config) -> ParallelSpec:
         block_norms=("input_layernorm", "post_attention_layernorm"),
         block_norm_consumers=("self_attn", "mlp"),
         block_attention="self_attn",
+        attention_core="core",
         tp_divisible={"num_attention_heads": c.num_attention_heads,
                       "num_key_value_heads": c.num_key_value_heads},
         block_cost=1.0,

@@ -13,10 +13,12 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from lightning_hybrid.models.attention import CausalAttention
 from lightning_hybrid.models.qwen2.config import Qwen2Config, parallel_spec
 from lightning_hybrid.models.spec import IGNORE_INDEX, ParallelSpec
 
-__all__ = ["Qwen2", "Qwen2Block", "parameter_init", "RMSNorm", "rotary_tables", "apply_rotary", "IGNORE_INDEX"]
+__all__ = ["Qwen2", "Qwen2Block", "parameter_init", "RMSNorm", "rotary_tables", "rotary_at", "apply_rotary",
+           "IGNORE_INDEX"]
 
 
 def parameter_init(config: Qwen2Config, name: str) -> tuple[str, float]:
@@ -53,8 +55,14 @@ class RMSNorm(nn.Module):
 def rotary_tables(seq_len: int, head_dim: int, theta: float, device: torch.device,
                   dtype: torch.dtype) -> tuple[Tensor, Tensor]:
     """cos and sin of shape (seq_len, head_dim) for the half-split rotary layout Qwen2 uses."""
+    return rotary_at(torch.arange(seq_len, device=device), head_dim, theta, dtype)
+
+
+def rotary_at(positions: Tensor, head_dim: int, theta: float, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+    """cos and sin of shape (len(positions), head_dim) at the given (global) token positions."""
+    device = positions.device
     inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, device=device, dtype=torch.float32) / head_dim))
-    angles = torch.outer(torch.arange(seq_len, device=device, dtype=torch.float32), inv_freq)
+    angles = torch.outer(positions.to(torch.float32), inv_freq)
     angles = torch.cat([angles, angles], dim=-1)
     return angles.cos().to(dtype), angles.sin().to(dtype)
 
@@ -84,19 +92,17 @@ class Attention(nn.Module):
         self.k_proj = nn.Linear(h, config.num_key_value_heads * d, bias=bias)
         self.v_proj = nn.Linear(h, config.num_key_value_heads * d, bias=bias)
         self.o_proj = nn.Linear(config.num_attention_heads * d, h, bias=False)
+        # Causal attention over the local sequence and the tokens' global positions; a strategy may replace it.
+        self.core = CausalAttention()
 
     def forward(self, x: Tensor) -> Tensor:
         batch, seq, _ = x.shape
         q = self.q_proj(x).view(batch, seq, -1, self.head_dim).transpose(1, 2)
         k = self.k_proj(x).view(batch, seq, -1, self.head_dim).transpose(1, 2)
         v = self.v_proj(x).view(batch, seq, -1, self.head_dim).transpose(1, 2)
-        cos, sin = rotary_tables(seq, self.head_dim, self.rope_theta, x.device, q.dtype)
+        cos, sin = rotary_at(self.core.positions(seq, x.device), self.head_dim, self.rope_theta, q.dtype)
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
-        groups = q.shape[1] // k.shape[1]
-        if groups > 1:  # every kv head serves `groups` consecutive query heads
-            k = k.repeat_interleave(groups, dim=1)
-            v = v.repeat_interleave(groups, dim=1)
-        out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        out = self.core(q, k, v)
         return self.o_proj(out.transpose(1, 2).reshape(batch, seq, -1))
 
 
