@@ -24,6 +24,7 @@ from lightning_hybrid.checkpoint import sharded
 from lightning_hybrid.data.sampler import batch_size_of, data_position, resumable_dataloader
 from lightning_hybrid.distributed.clip_grad import use_global_norm_clipping
 from lightning_hybrid.distributed.data_parallel import all_reducing
+from lightning_hybrid.distributed.elastic import init_round_process_group
 from lightning_hybrid.distributed.init_weights import initialize_declared, move_buffers
 from lightning_hybrid.distributed.parallel_dims import ParallelDims, build_mesh, checkpoint_groups, lightning_mesh
 from lightning_hybrid.distributed.parallelize import ParallelOptions, check_options, parallelize, require_meta
@@ -158,6 +159,7 @@ class HybridParallelStrategy(ModelParallelStrategy):
     @override
     def setup_environment(self) -> None:
         self._validate()
+        init_round_process_group(self._get_process_group_backend(), self._timeout, self.root_device)
         self._setup_distributed()
         self._device_mesh = build_mesh(self.dims, self.root_device.type, self._timeout)
         self.checkpoint_group, self.background_checkpoint_group = checkpoint_groups(self._timeout)

@@ -1,0 +1,56 @@
+"""The default process group of a torchrun restart round, on keys no earlier round wrote.
+
+Why this exists (the restarted-round failure): under torchrun with the agent's store
+(``TORCHELASTIC_USE_AGENT_STORE=True``: the static rendezvous of ``--master-addr/--master-port``, and the c10d
+rendezvous unless ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1``), the TCPStore the workers meet on is created once by the
+agent and kept for every round (``StaticTCPRendezvous.next_rendezvous`` creates it only ``if not self._store``;
+the c10d rendezvous keeps its ``_shared_tcp_store_server``). torch's ``env://`` handler connects to it without a
+per-round prefix (its comment assumes "a new TCPStore for every retry"), and ``init_process_group`` uses the fixed
+prefix ``default_pg``. Every key of round 0 therefore survives into round 1 under the same name: the gloo
+rendezvous of the default group (and of every later group, DeviceMesh's and the checkpoint groups alike) finds the
+dead round's ``rank_N`` addresses already set, connects to closed ports and fails with ``connectFullMesh ...
+Connection refused``. Here the default group is initialized on a store prefixed by the run id and the restart count,
+which every worker of one round shares and no other round has; all later groups derive their keys from it.
+
+With a per-round store (``TORCHELASTIC_USE_AGENT_STORE=False``: worker rank 0 hosts a fresh store on a new port each
+round) nothing is done: there are no stale keys, and a node that joins later (restart count 0 while the others count
+on) meets the others on the same keys.
+"""
+
+from __future__ import annotations
+
+import os
+from datetime import timedelta
+from typing import Any, Optional
+
+__all__ = ["round_store_prefix", "init_round_process_group"]
+
+
+def round_store_prefix(environ: Optional[dict[str, str]] = None) -> Optional[str]:
+    """The store prefix of this torchrun round (``None`` when not launched by torchrun with the agent's store)."""
+    env = os.environ if environ is None else environ
+    if env.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+        return None
+    run_id = env.get("TORCHELASTIC_RUN_ID", "none")
+    return f"lightning_hybrid/{run_id}/restart-{int(env.get('TORCHELASTIC_RESTART_COUNT', '0'))}/"
+
+
+def init_round_process_group(backend: str, timeout: Optional[timedelta], device: Any) -> bool:
+    """Initialize the default process group on this round's keys of torchrun's store; ``False`` when not needed.
+
+    Does nothing (returns ``False``) when the group exists or the workers were not started by torchrun with the
+    agent's store; Lightning then initializes the group as usual. Rank and world size are torchrun's
+    (``RANK``, ``WORLD_SIZE``), as Lightning's ``TorchElasticEnvironment`` reads them.
+    """
+    import torch.distributed as dist
+
+    prefix = round_store_prefix()
+    if prefix is None or dist.is_initialized():
+        return False
+    world = int(os.environ["WORLD_SIZE"])
+    wait = timeout if timeout is not None else timedelta(minutes=30)
+    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world, is_master=False,
+                          timeout=wait)
+    dist.init_process_group(backend, store=dist.PrefixStore(prefix, store), rank=int(os.environ["RANK"]),
+                            world_size=world, timeout=timeout, device_id=device if device.type != "cpu" else None)
+    return True
