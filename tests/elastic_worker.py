@@ -45,6 +45,7 @@ class Faults(L.Callback):
         slow = float(env("SLOW_FIRST_STEP", "0"))
         if slow and trainer.global_step == 0 and trainer.global_rank == 1 and ATTEMPT == 0:
             time.sleep(slow)  # a first step slower than hang_timeout (compilation, a cold cache)
+            (self.out / "slow_first_step").write_text(str(slow))
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
         step = trainer.global_step
@@ -60,9 +61,20 @@ class Faults(L.Callback):
     def on_validation_batch_end(self, trainer, pl_module, outputs, batch, batch_idx, dataloader_idx=0) -> None:
         time.sleep(float(env("VAL_SLEEP", "0")))
 
+    def on_validation_end(self, trainer, pl_module) -> None:
+        if trainer.global_rank == 0:
+            with open(self.out / "validations.jsonl", "a") as f:
+                f.write(json.dumps({"step": trainer.global_step, "end": time.time()}) + "\n")
+
+    def on_validation_start(self, trainer, pl_module) -> None:
+        if trainer.global_rank == 0:
+            with open(self.out / "validations.jsonl", "a") as f:
+                f.write(json.dumps({"step": trainer.global_step, "start": time.time()}) + "\n")
+
 
 def main() -> None:
     out, ckpt = Path(env("OUT")), Path(env("CKPT"))
+    (out / f"start_{ATTEMPT}_rank{env('RANK')}").write_text(str(time.time()))
     tp, pp = int(env("TP", "2")), int(env("PP", "2"))
     world, local = int(env("WORLD_SIZE")), int(env("LOCAL_WORLD_SIZE"))
     dp = world // (tp * pp)

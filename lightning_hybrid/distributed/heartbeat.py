@@ -65,7 +65,7 @@ def check_hang_timeout(value: Any) -> Optional[float]:
 
 
 @dataclass
-class _Seen:
+class Seen:
     """What this rank's watchdog knows of another rank: its last record and when it last changed (monotonic)."""
 
     record: dict
@@ -102,7 +102,7 @@ def describe(hang: Hang, timeout: float, me: int) -> str:
             f"rank {me} exits with code {EXIT_CODE_HANG} so that torchrun restarts the job")
 
 
-def find_hang(seen: dict[int, _Seen], now: float, timeout: float, world_size: int, started: float) -> Optional[Hang]:
+def find_hang(seen: dict[int, Seen], now: float, timeout: float, world_size: int, started: float) -> Optional[Hang]:
     """The culprit of a hang among ``seen`` (every rank's last record, this rank's own included), or ``None``.
 
     A frozen rank (no beat for ``timeout``; a rank never heard from counts from ``started``) is named first; else,
@@ -144,7 +144,7 @@ class Heartbeat:
                         "state": "running", "pid": os.getpid(), **identity}
         self._lock = threading.Lock()
         self._stop = threading.Event()
-        self._seen: dict[int, _Seen] = {}
+        self._seen: dict[int, Seen] = {}
         self._thread: Optional[threading.Thread] = None
         self._started = time.monotonic()
 
@@ -201,7 +201,7 @@ class Heartbeat:
             rank, record = int(key.rsplit("/", 1)[1]), json.loads(raw)
             old = self._seen.get(rank)
             if old is None:
-                self._seen[rank] = _Seen(record, now, now)
+                self._seen[rank] = Seen(record, now, now)
                 continue
             if record["beat"] != old.record["beat"]:
                 old.beat_at = now
