@@ -44,15 +44,21 @@ def _torchrun(out: Path, nproc: int, max_restarts: int, nodes: Optional[str] = N
     return [*cmd, WORKER]
 
 
-def _launch(out: Path, nodes: int = 1, max_restarts: int = 2, timeout: float = 240,
+def _launch(out: Path, nodes: int = 1, max_restarts: int = 2, timeout: float = 240, nnodes: Optional[str] = None,
             **variables) -> list[subprocess.CompletedProcess]:
-    """Run the worker under torchrun (``nodes`` agents of 4 // nodes processes each); fail on a hang."""
+    """Run the worker under torchrun (``nodes`` agents of 4 // nodes processes each, NODE_TAG A, B, ...); fail on a
+    hang. Node A starts first, so it hosts the c10d rendezvous store (a lost node B leaves it)."""
     out.mkdir(parents=True, exist_ok=True)
     env = worker_env({"OUT": str(out), "CKPT": str(out / "ckpt"), **{k: str(v) for k, v in variables.items()}})
     port = free_port()
-    cmds = [_torchrun(out, 4 // nodes, max_restarts, None if nodes == 1 else f"{nodes}", port) for _ in range(nodes)]
-    procs = [subprocess.Popen(c, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                              start_new_session=True) for c in cmds]
+    cmds = [_torchrun(out, 4 // nodes, max_restarts, None if nodes == 1 else nnodes or f"{nodes}", port)
+            for _ in range(nodes)]
+    procs = []
+    for i, cmd in enumerate(cmds):
+        procs.append(subprocess.Popen(cmd, env={**env, "NODE_TAG": "AB"[i]}, stdout=subprocess.PIPE,
+                                      stderr=subprocess.STDOUT, text=True, start_new_session=True))
+        if i == 0 and nodes > 1:
+            _wait_for_port(port)
     results, deadline = [], time.monotonic() + timeout
     try:
         for proc, cmd in zip(procs, cmds):
@@ -64,6 +70,17 @@ def _launch(out: Path, nodes: int = 1, max_restarts: int = 2, timeout: float = 2
         tails = [proc.communicate()[0][-6000:] for proc in procs]
         raise AssertionError(f"torchrun ran past {timeout} s:\n" + "\n----\n".join(tails)) from None
     return results
+
+
+def _wait_for_port(port: int, seconds: float = 60) -> None:
+    import socket
+
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        with socket.socket() as s:
+            if s.connect_ex(("127.0.0.1", port)) == 0:
+                return
+        time.sleep(0.1)
 
 
 def _leftover_workers(out: Path) -> list[int]:
@@ -216,3 +233,25 @@ def test_heartbeat_thread_reports_a_peer_whose_beats_stop(tmp_path):
         time.sleep(0.05)
     beat.stop()
     assert found and found[0].startswith("hang detected: rank 1 (h2, pp=0, dp=1, tp=0) stopped responding")
+
+
+@pytest.mark.distributed
+@pytest.mark.timeout(300)
+def test_a_lost_node_shrinks_dp_and_training_finishes_on_the_survivors_with_the_same_losses(tmp_path):
+    # 2 agents x 2 processes with --nnodes 1:2, tp=2 so dp=2. After step 3, node B (agent and workers) is killed
+    # for good; node A's agent re-forms the job alone: world 2, dp=1, tp unchanged, the dp-sharded checkpoint of
+    # step 2 resharded on load, the global batch kept (the worker's per-rank batch is 8 // dp).
+    from helpers.equivalence import run_reference
+
+    node_a, node_b = _launch(tmp_path, nodes=2, nnodes="1:2", max_restarts=1, TP=2, PP=1, HANG_TIMEOUT="none",
+                             FAULTS="0:3:nodeB:node")
+    assert node_a.returncode == 0, node_a.stdout[-6000:]
+    assert node_b.returncode != 0  # killed with its workers
+    assert not _leftover_workers(tmp_path)
+    losses = _losses(tmp_path)
+    assert {(d["attempt"], d["world"]) for d in losses} == {(0, 4), (1, 2)}
+    assert [d["step"] for d in losses if d["attempt"] == 1] == [3, 4, 5, 6, 7, 8]
+    assert _final(tmp_path)["resumed_from"].endswith("step-000002")
+    expected = run_reference(max_steps=8)["losses"]
+    for d in losses:
+        assert abs(d["loss"] - expected[d["step"] - 1]) <= 1e-5 * abs(expected[d["step"] - 1]), d

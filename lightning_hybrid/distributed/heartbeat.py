@@ -318,5 +318,5 @@ def attach_hang_detector(trainer: "pl.Trainer", timeout: Optional[float], rank: 
     if timeout is None or world_size < 2:
         return None
     detector = HangDetector(timeout, rank, world_size, coords)
-    trainer.callbacks.append(detector)
+    trainer.callbacks.insert(0, detector)  # first: a step counts as finished before other callbacks run
     return detector
