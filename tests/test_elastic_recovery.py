@@ -50,6 +50,8 @@ def _launch(out: Path, nodes: int = 1, max_restarts: int = 2, timeout: float = 2
     hang. Node A starts first, so it hosts the c10d rendezvous store (a lost node B leaves it)."""
     out.mkdir(parents=True, exist_ok=True)
     env = worker_env({"OUT": str(out), "CKPT": str(out / "ckpt"), **{k: str(v) for k, v in variables.items()}})
+    if nodes > 1:  # as the launchers: a fresh store each round (see lightning_hybrid/distributed/elastic.py)
+        env["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"
     port = free_port()
     cmds = [_torchrun(out, 4 // nodes, max_restarts, None if nodes == 1 else nnodes or f"{nodes}", port)
             for _ in range(nodes)]

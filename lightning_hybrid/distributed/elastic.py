@@ -13,17 +13,29 @@ Connection refused``. Here the default group is initialized on a store prefixed 
 which every worker of one round shares and no other round has; all later groups derive their keys from it.
 
 With a per-round store (``TORCHELASTIC_USE_AGENT_STORE=False``: worker rank 0 hosts a fresh store on a new port each
-round) nothing is done: there are no stale keys, and a node that joins later (restart count 0 while the others count
-on) meets the others on the same keys.
+round) nothing is done: there are no stale keys.
+
+The restart count names a round only when every agent counts the same rounds: one agent (any rendezvous), or the
+static rendezvous (its membership never changes). With the c10d rendezvous and several nodes, an agent whose workers
+were still healthy restarts them for a membership change (a node failed or joins) without counting a restart, so two
+nodes can start one round with different counts, and their workers would not meet (seen in the 2 x 2 tests: 45 s
+lost until a second restart). There the launchers set ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1`` (a fresh store per
+round); without it, :func:`init_round_process_group` warns.
 """
 
 from __future__ import annotations
 
 import os
+import warnings
 from datetime import timedelta
 from typing import Any, Optional
 
-__all__ = ["round_store_prefix", "init_round_process_group"]
+__all__ = ["round_store_prefix", "init_round_process_group", "SHARED_STORE_WARNING"]
+
+SHARED_STORE_WARNING = (
+    "several torchrun agents share one store across restarts: with --rdzv-backend c10d, export "
+    "TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 before torchrun (a fresh store each round, as the recipes' launchers do), "
+    "or a restart after a membership change can hang until the rendezvous times out; the static rendezvous is fine")
 
 
 def round_store_prefix(environ: Optional[dict[str, str]] = None) -> Optional[str]:
@@ -47,6 +59,8 @@ def init_round_process_group(backend: str, timeout: Optional[timedelta], device:
     prefix = round_store_prefix()
     if prefix is None or dist.is_initialized():
         return False
+    if int(os.environ.get("GROUP_WORLD_SIZE", "1")) > 1 and os.environ.get("RANK") == "0":
+        warnings.warn(SHARED_STORE_WARNING, stacklevel=2)
     world = int(os.environ["WORLD_SIZE"])
     wait = timeout if timeout is not None else timedelta(minutes=30)
     store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world, is_master=False,
