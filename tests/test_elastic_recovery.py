@@ -124,7 +124,7 @@ def reference(tmp_path_factory) -> Path:
 
 
 @pytest.mark.distributed
-@pytest.mark.timeout(300)
+@pytest.mark.timeout(420)
 def test_a_slow_first_step_and_a_long_validation_do_not_trip_the_hang_detector(reference):
     assert (reference / "slow_first_step").read_text() == "12.0"
     start, end = [json.loads(line) for line in (reference / "validations.jsonl").read_text().splitlines()][:2]
@@ -134,7 +134,7 @@ def test_a_slow_first_step_and_a_long_validation_do_not_trip_the_hang_detector(r
 
 
 @pytest.mark.distributed
-@pytest.mark.timeout(300)
+@pytest.mark.timeout(420)
 def test_sigkill_mid_run_and_during_an_async_write_restart_in_job_to_bitwise_the_same_weights(reference, tmp_path):
     # attempt 0: rank 1 dies after step 5 (step 4 committed); attempt 1 resumes at 4 and rank 2 dies right after
     # step 6's async save started (never committed); attempt 2 resumes at 4 again and finishes.
@@ -151,7 +151,7 @@ def test_sigkill_mid_run_and_during_an_async_write_restart_in_job_to_bitwise_the
 
 
 @pytest.mark.distributed
-@pytest.mark.timeout(300)
+@pytest.mark.timeout(420)
 def test_two_nodes_recover_in_job_from_a_sigstop_hang_and_a_sigkill_during_an_async_write(reference, tmp_path):
     # 2 agents x 2 processes, c10d rendezvous. attempt 0: rank 1 is SIGSTOPped after step 3; the heartbeat of the
     # others names it within hang_timeout, its neighbour on the host SIGKILLs it, all exit, torchrun restarts.
@@ -238,7 +238,7 @@ def test_heartbeat_thread_reports_a_peer_whose_beats_stop(tmp_path):
 
 
 @pytest.mark.distributed
-@pytest.mark.timeout(300)
+@pytest.mark.timeout(420)
 def test_a_lost_node_shrinks_dp_and_training_finishes_on_the_survivors_with_the_same_losses(tmp_path):
     # 2 agents x 2 processes with --nnodes 1:2, tp=2 so dp=2. After step 3, node B (agent and workers) is killed
     # for good; node A's agent re-forms the job alone: world 2, dp=1, tp unchanged, the dp-sharded checkpoint of
@@ -257,3 +257,15 @@ def test_a_lost_node_shrinks_dp_and_training_finishes_on_the_survivors_with_the_
     expected = run_reference(max_steps=8)["losses"]
     for d in losses:
         assert abs(d["loss"] - expected[d["step"] - 1]) <= 1e-5 * abs(expected[d["step"] - 1]), d
+
+
+def test_a_changed_global_batch_on_resume_is_reported_with_the_ways_to_keep_it():
+    from lightning_hybrid.distributed.elastic import global_batch_error
+
+    assert global_batch_error(8, 4, 2) is None and global_batch_error(None, 4, 1) is None
+    assert global_batch_error(8, 4, 1) == (
+        "global batch changed on resume: the checkpoint was trained with 8 samples per step, this run has "
+        "batch_size=4 x dp=1 = 4; use batch_size=8 per rank to keep it or Trainer(accumulate_grad_batches=2) to make "
+        "up the difference")
+    assert global_batch_error(12, 8, 1).endswith("use batch_size=12 per rank to keep it")
+    assert global_batch_error(9, 4, 2).endswith("use a dp that divides 9 to keep it")

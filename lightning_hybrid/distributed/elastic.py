@@ -25,12 +25,16 @@ round); without it, :func:`init_round_process_group` warns.
 
 from __future__ import annotations
 
+import logging
 import os
 import warnings
 from datetime import timedelta
 from typing import Any, Optional
 
-__all__ = ["round_store_prefix", "init_round_process_group", "SHARED_STORE_WARNING"]
+__all__ = ["round_store_prefix", "init_round_process_group", "SHARED_STORE_WARNING", "global_batch_error",
+           "report_global_batch"]
+
+log = logging.getLogger(__name__)
 
 SHARED_STORE_WARNING = (
     "several torchrun agents share one store across restarts: with --rdzv-backend c10d, export "
@@ -68,3 +72,25 @@ def init_round_process_group(backend: str, timeout: Optional[timedelta], device:
     dist.init_process_group(backend, store=dist.PrefixStore(prefix, store), rank=int(os.environ["RANK"]),
                             world_size=world, timeout=timeout, device_id=device if device.type != "cpu" else None)
     return True
+
+
+def global_batch_error(saved: Optional[int], per_rank: Optional[int], dp: int) -> Optional[str]:
+    """Why a resumed run's samples per step differ from the checkpoint's (``None`` when they agree or are unknown).
+
+    After a node is lost, dp is smaller; a DataLoader whose per-rank ``batch_size`` stayed the same then trains with a
+    smaller global batch (another learning-rate-to-batch ratio, another data order from here on).
+    """
+    if saved is None or per_rank is None or per_rank * dp == saved:
+        return None
+    fits = f"batch_size={saved // dp} per rank" if saved % dp == 0 else f"a dp that divides {saved}"
+    accumulate = saved // (per_rank * dp) if saved % (per_rank * dp) == 0 else None
+    other = f" or Trainer(accumulate_grad_batches={accumulate}) to make up the difference" if accumulate else ""
+    return (f"global batch changed on resume: the checkpoint was trained with {saved} samples per step, this run has "
+            f"batch_size={per_rank} x dp={dp} = {per_rank * dp}; use {fits} to keep it{other}")
+
+
+def report_global_batch(saved: Optional[int], per_rank: Optional[int], dp: int, dp_rank: int) -> None:
+    """Log :func:`global_batch_error` as an error once (dp rank 0); training goes on with the batch it was given."""
+    message = global_batch_error(saved, per_rank, dp)
+    if message is not None and dp_rank == 0:
+        log.error(message)
