@@ -66,7 +66,8 @@ class Faults(L.Callback):
         if trainer.global_rank == 0:
             with open(self.out / "losses.jsonl", "a") as f:
                 f.write(json.dumps({"step": step, "loss": float(trainer.callback_metrics["train_loss"]),
-                                    "attempt": ATTEMPT, "world": trainer.world_size, "time": time.time()}) + "\n")
+                                    "attempt": ATTEMPT, "world": trainer.world_size, "time": time.time(),
+                                    "pid": os.getpid()}) + "\n")
         for attempt, at, rank, kind in self.faults:
             if int(attempt) == ATTEMPT and int(at) == step and _is(rank, trainer.global_rank):
                 (self.out / f"fault_{attempt}_{kind}_rank{rank}").write_text(f"{time.time()} {os.getpid()}")
