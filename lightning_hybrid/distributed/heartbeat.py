@@ -159,6 +159,13 @@ class Heartbeat:
                 self._record["step"] = step
             if arm:
                 self._record["armed"] = True
+        if step is not None and self._thread is not None:
+            # A finished step is published at once: a rank frozen right after it is then named with that step,
+            # not with the record of up to one interval before. One small store write per step.
+            try:
+                self._publish()
+            except Exception as err:  # noqa: BLE001 - the thread's next beat retries; never fail a training step
+                log.debug(f"heartbeat: could not publish step {step}: {err}")
 
     def disarm(self, activity: str) -> None:
         """Stop the stuck check of this rank until the next ``progress(arm=True)`` (e.g. after training)."""
