@@ -25,6 +25,8 @@ from lightning_hybrid.data.sampler import batch_size_of, data_position, resumabl
 from lightning_hybrid.distributed.clip_grad import use_global_norm_clipping
 from lightning_hybrid.distributed.context_parallel import shard_batch
 from lightning_hybrid.distributed.data_parallel import all_reducing
+from lightning_hybrid.distributed.elastic import init_round_process_group
+from lightning_hybrid.distributed.heartbeat import HANG_TIMEOUT, attach_hang_detector, check_hang_timeout
 from lightning_hybrid.distributed.init_weights import initialize_declared, move_buffers
 from lightning_hybrid.distributed.parallel_dims import ParallelDims, build_mesh, checkpoint_groups, lightning_mesh
 from lightning_hybrid.distributed.parallelize import ParallelOptions, check_options, parallelize, require_meta
@@ -68,6 +70,7 @@ class HybridParallelStrategy(ModelParallelStrategy):
         save_distributed_checkpoint: each rank writes its shards (``True``) or rank 0 a full file.
         process_group_backend: ``"nccl"``/``"gloo"``; ``None`` chooses by device.
         timeout: timeout of collectives; a dead peer ends the run with a timeout error instead of a hang.
+        hang_timeout: seconds without progress after which every rank ends itself naming the hung rank (``None``: off).
         data_parallel_size: Lightning's name of ``dp``; ``"auto"``: the number of nodes.
         tensor_parallel_size: Lightning's name of ``tp``; ``"auto"``: the devices per node.
         cp: context-parallel size (sequences split, ring attention); ``dp_shard``: HSDP's shard group (``"hsdp"``).
@@ -98,6 +101,7 @@ class HybridParallelStrategy(ModelParallelStrategy):
         save_distributed_checkpoint: bool = True,
         process_group_backend: Optional[str] = None,
         timeout: Optional[timedelta] = default_pg_timeout,
+        hang_timeout: Optional[float] = HANG_TIMEOUT,
         data_parallel_size: Optional[Union[int, Literal["auto"]]] = None,
         tensor_parallel_size: Optional[Union[int, Literal["auto"]]] = None,
         cp: int = 1, dp_shard: Optional[int] = None,
@@ -112,6 +116,7 @@ class HybridParallelStrategy(ModelParallelStrategy):
             selective_ac=selective_ac, compile=compile, reduce_dtype=reduce_dtype,
             data_parallel_size=data_parallel_size, tensor_parallel_size=tensor_parallel_size, cp=cp, dp_shard=dp_shard)
         self.preflight = bool(preflight)
+        self.hang_timeout = check_hang_timeout(hang_timeout)
         self._dims: Optional[ParallelDims] = None
         self._spec: Optional[ParallelSpec] = None
         self.pipeline: Optional[PipelineRunner] = None
@@ -161,9 +166,12 @@ class HybridParallelStrategy(ModelParallelStrategy):
     @override
     def setup_environment(self) -> None:
         self._validate()
+        init_round_process_group(self._get_process_group_backend(), self._timeout, self.root_device)
         self._setup_distributed()
         self._device_mesh = build_mesh(self.dims, self.root_device.type, self._timeout)
         self.checkpoint_group, self.background_checkpoint_group = checkpoint_groups(self._timeout)
+        attach_hang_detector(self.lightning_module.trainer, self.hang_timeout, self.global_rank, self.world_size,
+                             self.dims.coordinates(self.global_rank))
         if self.preflight:
             from lightning_hybrid.preflight.links import PREFLIGHT_MAX_BYTES, run_preflight_or_raise
 

@@ -11,10 +11,15 @@
 #     checkpoint in the recipe's dirpath (FaultTolerantCheckpoint auto_resume).
 #   * SIGTERM or SIGUSR1 to torchrun (a scheduler's preemption notice) is forwarded to the training processes,
 #     which save a checkpoint and exit with code 75; the agent waits TORCH_ELASTIC_SHUTDOWN_TIMEOUT for them.
-#   * after a node is lost for good, or restarts are used up: run this script again on every node; it resumes.
+#   * a hung training process (no progress for the recipe's hang_timeout) ends every worker the same way.
+#   * with MIN_NODES < NNODES (--nnodes MIN:MAX), a node lost for good is left out: the agents that remain form the
+#     job again with fewer nodes (dp smaller, tp and pp unchanged, the checkpoint resharded on load); NNODES x
+#     GPUS_PER_NODE / (tp x pp) must stay a whole number at every size in between, and the global batch must
+#     still divide. A node that comes back joins at the next restart.
+#   * restarts used up, or fewer than MIN_NODES left: run this script again on every node; it resumes.
 #
 # Environment: NNODES (nodes, default 1), NODE_RANK (this node, 0 on the rendezvous host), MASTER_ADDR (address of
-# node 0), MASTER_PORT (29500), GPUS_PER_NODE (8), MAX_RESTARTS (3), RUN_DIR (shared folder the recipe's relative
+# node 0), MASTER_PORT (29500), GPUS_PER_NODE (8), MAX_RESTARTS (3), MIN_NODES (NNODES: no shrinking), RUN_DIR (shared folder the recipe's relative
 # checkpoints/, logs/ and data/ live in; default: the current directory), TP/PP (for the preflight, 8/2), GPU
 # (expected figures of the preflight, b300).
 set -euo pipefail
@@ -27,6 +32,7 @@ MASTER_ADDR=${MASTER_ADDR:-127.0.0.1}
 MASTER_PORT=${MASTER_PORT:-29500}
 GPUS_PER_NODE=${GPUS_PER_NODE:-8}
 MAX_RESTARTS=${MAX_RESTARTS:-3}
+MIN_NODES=${MIN_NODES:-$NNODES}
 RUN_DIR=${RUN_DIR:-$PWD}
 TP=${TP:-8}
 PP=${PP:-2}
@@ -46,13 +52,17 @@ export PYTHONUNBUFFERED=1
 # ---- preemption: forward SIGUSR1 too (not in torchrun's default list) and wait for the checkpoint
 export TORCHELASTIC_SIGNALS_TO_HANDLE=SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1
 export TORCH_ELASTIC_SHUTDOWN_TIMEOUT=${TORCH_ELASTIC_SHUTDOWN_TIMEOUT:-110}
+# ---- in-job restarts: a fresh rendezvous store each round (the shared one keeps the dead round's keys)
+export TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1
 
 # c10d rendezvous on node 0: it hosts the store (is_host makes that explicit where the hostname does not resolve
 # to MASTER_ADDR, e.g. behind NAT or with several interfaces). Ranks are handed out as agents join, and each
 # agent's GPUS_PER_NODE workers get consecutive ranks, so a TP group (tp <= GPUS_PER_NODE) stays inside a node.
 IS_HOST=$([ "$NODE_RANK" = "0" ] && echo 1 || echo 0)
-torchrun_args() {  # torchrun_args PORT
-    echo --nnodes "$NNODES" --nproc_per_node "$GPUS_PER_NODE" --rdzv_backend c10d \
+torchrun_args() {  # torchrun_args PORT [MIN_NODES]: a fixed number of nodes, or MIN:MAX (elastic)
+    local nodes=$NNODES
+    if [ "${2:-$NNODES}" != "$NNODES" ]; then nodes="$2:$NNODES"; fi
+    echo --nnodes "$nodes" --nproc_per_node "$GPUS_PER_NODE" --rdzv_backend c10d \
         --rdzv_endpoint "$MASTER_ADDR:$1" --rdzv_conf "is_host=$IS_HOST"
 }
 
@@ -68,5 +78,5 @@ torchrun $(torchrun_args "$((MASTER_PORT + 1))") --rdzv_id "$RUN_ID-preflight" -
 
 # ---- 2. training with elastic restarts; exec so that signals reach torchrun directly
 # shellcheck disable=SC2046
-exec torchrun $(torchrun_args "$MASTER_PORT") --rdzv_id "$RUN_ID" --max-restarts "$MAX_RESTARTS" \
+exec torchrun $(torchrun_args "$MASTER_PORT" "$MIN_NODES") --rdzv_id "$RUN_ID" --max-restarts "$MAX_RESTARTS" \
     "$(command -v lightning-hybrid)" fit --config "$RECIPE"

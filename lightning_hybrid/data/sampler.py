@@ -13,6 +13,8 @@ from typing import Any, Iterator, Optional
 
 from torch.utils.data import Dataset, DistributedSampler
 
+from lightning_hybrid.distributed.elastic import report_global_batch
+
 __all__ = ["ResumableDistributedSampler", "resumable_dataloader", "data_position", "batch_size_of"]
 
 
@@ -121,6 +123,7 @@ def resumable_dataloader(dataloader: Any, resume: Optional[dict[str, int]]) -> t
                                           shuffle=old.shuffle, seed=seed, drop_last=old.drop_last)
     if resume is not None:
         sampler.resume_from(resume["epoch"], resume["samples_in_epoch"], resume.get("counted"))
+        report_global_batch(resume.get("global_batch"), dataloader.batch_size, old.num_replicas, old.rank)
     for epoch, start, end in (resume or {}).get("skips", []):
         sampler.add_skip(epoch, start, end)
     loader = _update_dataloader(dataloader, sampler, mode=RunningStage.TRAINING if old.shuffle else None)
