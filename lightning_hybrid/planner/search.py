@@ -45,7 +45,7 @@ from lightning_hybrid.planner.step_time import (
     gemm_efficiency,
 )
 
-__all__ = ["Layout", "Estimate", "estimate", "search", "explain", "rank_memory"]
+__all__ = ["Layout", "Estimate", "estimate", "search", "explain", "rank_memory", "layout_reason"]
 
 # (schedule, virtual stages) tried for pp > 1; pp == 1 uses ("none", 1).
 PIPELINE_SCHEDULES = (("1f1b", 1), ("interleaved_1f1b", 2), ("interleaved_1f1b", 4))
@@ -154,6 +154,9 @@ def _layout_reason(problem: Problem, tp: int, pp: int, dp: int, virtual_stages: 
     if problem.global_batch % dp:
         return f"global batch {problem.global_batch} is not divisible by dp={dp}"
     return ""
+
+
+layout_reason = _layout_reason  # public name: the auto layout (planner/auto.py) asks it too
 
 
 @functools.lru_cache(maxsize=65536)
