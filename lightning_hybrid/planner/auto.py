@@ -200,8 +200,9 @@ def _layouts(options: ParallelOptions, tp: int, pp: int, dp: int, per_replica: i
     return out
 
 
-def _rank_key(e: Estimate) -> tuple[float, float]:
-    return (-e.tokens_per_second, e.memory["total"])
+def _rank_key(e: Estimate) -> tuple[float, bool, float]:
+    """Most tokens/s first; at equal speed no recompute, then less memory."""
+    return (-round(e.tokens_per_second, 6), e.layout.recompute != "none", e.memory["total"])
 
 
 def plan_layout(options: ParallelOptions, config: Qwen2Config, hw: Hardware, shape: TrainingShape, precision: str,
