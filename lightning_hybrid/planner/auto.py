@@ -42,7 +42,7 @@ from lightning_hybrid.planner.search import PIPELINE_SCHEDULES, Estimate, Layout
 from lightning_hybrid.planner.step_time import Hardware
 
 __all__ = ["TrainingShape", "AutoPlan", "auto_fields", "check_auto_request", "plan_layout", "apply_layout",
-           "training_shape", "resume_layout", "fixed_by_manifest", "check_resume"]
+           "training_shape", "resume_layout", "fixed_by_manifest", "check_resume", "enumerate_layouts"]
 
 MANIFEST = "meta.json"  # the checkpoint manifest's file name (lightning_hybrid.checkpoint.manifest.MANIFEST)
 VIRTUAL_STAGES = (1, 2, 4)  # tried when virtual_stages is "auto" with a fixed pipeline schedule
@@ -197,6 +197,17 @@ def _layouts(options: ParallelOptions, tp: int, pp: int, dp: int, per_replica: i
                 for recompute in recomputes:
                     out.append(Layout(tp, pp, dp, mode, per_replica // m, m, schedule, v, recompute,
                                       options.sequence_parallel and tp > 1))
+    return out
+
+
+def enumerate_layouts(options: ParallelOptions, world_size: int, devices_per_node: int,
+                      shape: TrainingShape) -> list[Layout]:
+    """Every layout the fixed options allow on ``world_size`` processes (before memory and model checks)."""
+    out = []
+    for tp, pp, dp in _sizes(options, world_size, devices_per_node):
+        per_replica = shape.per_replica(dp)
+        if per_replica is not None:
+            out.extend(_layouts(options, tp, pp, dp, per_replica))
     return out
 
 
