@@ -15,6 +15,8 @@ Wrappers (in ``lightning_hybrid.distributed``) and the private APIs they use:
   ``self.clip_grad_by_norm(optimizer, val)``;
 - ``clip_grad._is_split``: ``torch.distributed.tensor.placement_types._StridedShard``;
 - ``init_weights.local_region``: ``torch.distributed.tensor._utils.compute_local_shape_and_global_offset``.
+- ``lightning_hybrid.planner.auto_setup._data``: Lightning's ``trainer.fit_loop._data_source.instance`` (the
+  DataLoader given to ``fit``, before Lightning sets it up), read by the auto layout.
 
 All single-process: the pipeline schedules are built over stand-in stages, the clipping runs without a process
 group, and the DeviceMesh tests use a one-process gloo group on 127.0.0.1 (destroyed after each test).
@@ -300,3 +302,16 @@ def test_local_region_reads_the_shard_shape_and_offset(gloo_world):
     assert (tuple(shape), tuple(offset)) == ((4, 3), (0, 0)), broken(
         LOCAL_REGION, f"compute_local_shape_and_global_offset returned {shape}, {offset} (not local shape, offset)")
     assert torch.equal(local, full) and global_shape == (4, 3) and global_offset == (0, 0)
+
+
+AUTO_DATA = "lightning_hybrid.planner.auto_setup._data"
+
+
+def test_fit_loop_data_source_holds_the_dataloader_given_to_fit():
+    from lightning_hybrid.planner.auto_setup import _data
+
+    trainer = lightning.Trainer(accelerator="cpu", devices=1, logger=False, enable_checkpointing=False)
+    loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(torch.zeros(4, 8)), batch_size=2)
+    module = lightning.LightningModule()
+    trainer._data_connector.attach_data(module, train_dataloaders=loader)
+    assert _data(trainer) == (None, loader), f"{AUTO_DATA}: Lightning moved fit_loop._data_source.instance"
