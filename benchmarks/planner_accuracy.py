@@ -109,15 +109,14 @@ def worker(args: argparse.Namespace) -> None:
     dist.init_process_group("gloo")
     mesh = init_device_mesh("cpu", (1, 1, args.processes), mesh_dim_names=("pp", "dp", "tp"))
     preflight = run_preflight(mesh, min_bytes=MiB // 16, max_bytes=4 * MiB, check_health=False).to_dict()
-    results = []
+    from lightning_hybrid.planner.calibrate import measure_cpu
+
+    doc = {"preflight": preflight, "results": [], "copy_tbs": measure_cpu()[1]}
     for lay in json.loads(Path(args.layouts).read_text()):
         times = _fit(args, lay)
-        results.append({"layout": lay, "times": times, "median": statistics.median(times)})
-    if dist.get_rank() == 0:
-        from lightning_hybrid.planner.calibrate import measure_cpu
-
-        doc = {"preflight": preflight, "results": results, "copy_tbs": measure_cpu()[1]}
-        Path(args.out).write_text(json.dumps(doc))
+        doc["results"].append({"layout": lay, "times": times, "median": statistics.median(times)})
+        if dist.get_rank() == 0:  # after every layout: a long run that is stopped still leaves its measurements
+            Path(args.out).write_text(json.dumps(doc))
     dist.barrier()
     dist.destroy_process_group()
 
@@ -186,9 +185,13 @@ def report(rows: list[dict], header: str) -> str:
 
 
 def measure(args: argparse.Namespace, chosen: list[Any]) -> dict[str, Any]:
-    """Run the worker over ``chosen`` layouts in one torchrun launch; its preflight report and timings."""
+    """Run the worker over ``chosen`` layouts in one torchrun launch; its preflight report and timings.
+
+    With ``--json FILE`` the measurements so far are in ``FILE.partial`` while it runs (``--replay`` reads it).
+    """
     with tempfile.TemporaryDirectory() as tmp:
-        spec, out = Path(tmp, "layouts.json"), Path(tmp, "out.json")
+        spec = Path(tmp, "layouts.json")
+        out = Path(args.json + ".partial") if args.json else Path(tmp, "out.json")
         spec.write_text(json.dumps([vars(lay) for lay in chosen]))
         flags = [f"--{k.replace('_', '-')}={getattr(args, k)}" for k in FULL]
         cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(args.processes), __file__,

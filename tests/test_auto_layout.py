@@ -31,7 +31,7 @@ def auto_runs(tmp_path_factory):
     two = run_workers(2, [{"name": "auto_w2_saved", **AUTO, "save_at": 2, "stop_after_save": True}], out / "two")
     four = run_workers(4, [
         {"name": "auto", **AUTO},
-        {"name": "tp2_pp_auto", "tp": 2, "pp": "auto"},
+        {"name": "tp2_pp_auto", "tp": 2, "pp": "auto", "preflight": True},  # planned with measured links
         {"name": "resume_keeps_manifest", "tp": 2, "pp": 2, "save_at": 2, "resume_config": AUTO},
         {"name": "resume_w2_on_w4", **AUTO, "load_from": str(out / "two" / "ckpt_auto_w2_saved")},
     ], out / "four", timeout=420)
@@ -52,9 +52,10 @@ def test_auto_on_4_processes_every_rank_takes_the_planners_top_choice_and_trains
 
 @pytest.mark.distributed
 @pytest.mark.timeout(600)
-def test_tp2_with_pp_auto_searches_only_the_rest(auto_runs, reference_run):
+def test_tp2_with_pp_auto_searches_only_the_rest_with_the_preflight_calibrating_the_planner(auto_runs, reference_run):
     record = auto_runs["tp2_pp_auto"]
     assert all(layout["tp"] == 2 and layout["pp"] * layout["dp"] == 2 for layout in record["auto"])
+    assert "links and matmul from the preflight" in record["auto_table"]
     assert_trains_like(record, reference_run)
 
 
