@@ -111,7 +111,7 @@ def worker(args: argparse.Namespace) -> None:
     preflight = run_preflight(mesh, min_bytes=MiB // 16, max_bytes=4 * MiB, check_health=False).to_dict()
     from lightning_hybrid.planner.calibrate import measure_cpu
 
-    doc = {"preflight": preflight, "results": [], "copy_tbs": measure_cpu()[1]}
+    doc = {"preflight": preflight, "results": [], "copy_tbs": measure_cpu()[1], "cores": len(os.sched_getaffinity(0))}
     for lay in json.loads(Path(args.layouts).read_text()):
         times = _fit(args, lay)
         doc["results"].append({"layout": lay, "times": times, "median": statistics.median(times)})
@@ -155,7 +155,7 @@ def predict(args: argparse.Namespace, doc: dict) -> list[dict]:
     preflight, measured = doc["preflight"], doc["results"]
     copy_tbs = doc.get("copy_tbs") or measure_cpu()[1]  # memory bandwidth (the preflight measures matmul and links)
     hw = Hardware(cpu_gpu_entry(1.0, copy_tbs, 8.0), args.processes, args.processes, compute_efficiency=1.0,
-                  link_efficiency=1.0)
+                  link_efficiency=1.0, cores_per_node=doc.get("cores") or len(os.sched_getaffinity(0)))
     hw = calibrate_hardware(hw, preflight)
     problem = Problem(_config(args), hw, args.seq_len, args.global_batch, "32-true", time_model=CPU_TIME_MODEL)
     rows = []

@@ -11,7 +11,9 @@ preflight report (:mod:`lightning_hybrid.preflight.links`, ``--json``) into :cla
   TP and DP collectives and pipeline transfers then cost what the mesh dimension's link measured.
 
 Without a preflight, a CPU run measures a float32 matmul and a memory copy on the spot (a fraction of a second)
-and takes gloo's link figures from :data:`CPU_GLOO_BUS_GBS` and :data:`CPU_GLOO_LATENCY_S`.
+and takes gloo's link figures from :data:`CPU_GLOO_BUS_GBS` and :data:`CPU_GLOO_LATENCY_S`. CPU processes share
+the cores this process may run on (``Hardware.cores_per_node``): a step takes at least the node's busy time over
+its cores (``core_sharing`` in the estimate).
 """
 
 from __future__ import annotations
@@ -157,7 +159,7 @@ def local_hardware(device: Any, world_size: int, devices_per_node: int,
         gpu = cpu_gpu_entry(matmul, copy, _host_memory_gb(devices_per_node))
         hw = Hardware(gpu, world_size, devices_per_node, compute_efficiency=1.0, link_efficiency=1.0,
                       intra_latency_s=CPU_GLOO_LATENCY_S, inter_latency_s=CPU_GLOO_LATENCY_S, reserved_gb=0.5,
-                      fragmentation=0.1)
+                      fragmentation=0.1, cores_per_node=len(os.sched_getaffinity(0)))
         time_model = CPU_TIME_MODEL
         described = f"CPU x {world_size}: matmul {matmul * 1e3:.1f} GFLOP/s, copy {copy * 1e3:.1f} GB/s measured"
     if preflight is not None:
