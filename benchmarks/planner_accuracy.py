@@ -226,8 +226,9 @@ def main(argv: Optional[list[str]] = None) -> None:
     gflops = statistics.median(m["tflops"] for m in doc["preflight"]["matmul"]) * 1e3
     header = (f"planner accuracy: {args.processes} CPU processes (gloo), Qwen2-shaped h={args.hidden} L={args.layers} "
               f"heads={args.heads}/{args.kv_heads} vocab={args.vocab}, seq {args.seq_len}, global batch "
-              f"{args.global_batch}, fp32; median of {args.steps} steps after {args.warmup}; {len(rows)} layouts in "
-              f"{time.perf_counter() - start:.0f} s; matmul {gflops:.1f} GFLOP/s per process")
+              f"{args.global_batch}, fp32; median of {args.steps} steps after {args.warmup}; {len(rows)} layouts "
+              + (f"replayed from {args.replay}" if args.replay else f"in {time.perf_counter() - start:.0f} s")
+              + f"; matmul {gflops:.1f} GFLOP/s per process; {doc.get('cores', '?')} cores")
     print(report(rows, header))
     if args.json:
         rows_out = [{**r, "layout": vars(r["layout"])} for r in rows]
