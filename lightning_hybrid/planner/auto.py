@@ -24,7 +24,8 @@ A resume keeps the layout in the checkpoint's manifest (for the options left ``"
 one it was written on; on another world size the planner plans again and the checkpoint is resharded on load.
 The checkpoint is the one ``trainer.ckpt_path`` names (set before ``fit``) or the newest one a
 :class:`~lightning_hybrid.FaultTolerantCheckpoint` with ``auto_resume`` will resume from. Lightning does not show a
-strategy ``fit(ckpt_path=...)`` before the mesh is built; such a resume is checked at load (:func:`check_resume`).
+strategy ``fit(ckpt_path=...)`` before the mesh is built: such a resume is planned afresh, and the checkpoint is
+resharded into the planned layout on load (set ``trainer.ckpt_path`` to keep the checkpoint's layout).
 """
 
 from __future__ import annotations
@@ -42,7 +43,7 @@ from lightning_hybrid.planner.search import PIPELINE_SCHEDULES, Estimate, Layout
 from lightning_hybrid.planner.step_time import Hardware
 
 __all__ = ["TrainingShape", "AutoPlan", "auto_fields", "check_auto_request", "plan_layout", "apply_layout",
-           "training_shape", "resume_layout", "fixed_by_manifest", "check_resume", "enumerate_layouts"]
+           "training_shape", "resume_layout", "fixed_by_manifest", "enumerate_layouts"]
 
 MANIFEST = "meta.json"  # the checkpoint manifest's file name (lightning_hybrid.checkpoint.manifest.MANIFEST)
 VIRTUAL_STAGES = (1, 2, 4)  # tried when virtual_stages is "auto" with a fixed pipeline schedule
@@ -330,21 +331,3 @@ def fixed_by_manifest(options: ParallelOptions, layout: dict[str, Any]) -> Paral
     if "microbatches" in layout and options.microbatches is None:
         changes["microbatches"] = layout["microbatches"]
     return replace(options, **changes)
-
-
-def check_resume(plan: Optional[AutoPlan], manifest_layout: Optional[dict[str, Any]], world_size: int) -> str:
-    """What a resume that :func:`resolve_auto` could not see (``fit(ckpt_path=...)``) changes ('' when nothing).
-
-    A layout the planner chose that differs from the checkpoint's on the same world size is resharded on load (DCP
-    loads into any mesh); the message says so, and how to keep the checkpoint's layout.
-    """
-    if plan is None or manifest_layout is None or plan.source != "planner":
-        return ""
-    chosen = plan.summary()
-    keys = [k for k in ("tp", "pp", "dp") if manifest_layout.get(k) != chosen[k]]
-    if not keys or manifest_layout.get("world_size") != world_size:
-        return ""
-    was = " ".join(f"{k}={manifest_layout.get(k)}" for k in keys)
-    now = " ".join(f"{k}={chosen[k]}" for k in keys)
-    return (f"the checkpoint was written with {was}; the planner chose {now}, so it is resharded on load; to keep "
-            f"its layout set trainer.ckpt_path before fit() or resume through FaultTolerantCheckpoint(auto_resume)")
