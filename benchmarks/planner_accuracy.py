@@ -12,7 +12,7 @@ The layouts: every tp x pp x dp of the world (tp inside the machine), fsdp and r
 
     python benchmarks/planner_accuracy.py                    # 4 processes, every layout (tens of minutes on CPU)
     python benchmarks/planner_accuracy.py --processes 8         # where the machine has the cores
-    python benchmarks/planner_accuracy.py --reduced          # 2 processes, 2 layouts, 2 steps: the suite's smoke run
+    python benchmarks/planner_accuracy.py --reduced          # 2 processes, 2 layouts, 1 step: the suite's smoke run
 
 CPU processes that share cores with other work measure the sharing, not the layout: run it on an idle machine with
 at least one core per process for numbers worth quoting (docs/planner.md says which were taken how).
@@ -31,7 +31,7 @@ import time
 from pathlib import Path
 from typing import Any, Optional
 
-REDUCED = dict(processes=2, hidden=128, layers=2, heads=4, kv_heads=2, vocab=512, seq_len=64, global_batch=4, steps=2,
+REDUCED = dict(processes=2, hidden=128, layers=2, heads=4, kv_heads=2, vocab=512, seq_len=64, global_batch=4, steps=1,
                warmup=1, max_layouts=2)
 FULL = dict(processes=4, hidden=512, layers=4, heads=8, kv_heads=4, vocab=4096, seq_len=256, global_batch=8, steps=5,
             warmup=2, max_layouts=0)
@@ -203,7 +203,7 @@ def measure(args: argparse.Namespace, chosen: list[Any]) -> dict[str, Any]:
 def main(argv: Optional[list[str]] = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--reduced", action="store_true", help="2 processes, 2 layouts, 2 steps (the suite's run)")
+    parser.add_argument("--reduced", action="store_true", help="2 processes, 2 layouts, 1 step (the suite's run)")
     for name, value in FULL.items():
         parser.add_argument("--" + name.replace("_", "-"), type=int, default=None, help=f"(default {value})")
     parser.add_argument("--json", default="", help="also write the measurements and predictions here")

@@ -1,4 +1,4 @@
-"""benchmarks/planner_accuracy.py runs (reduced: 2 processes, 2 layouts, 2 steps) so it cannot rot, and ``plan
+"""benchmarks/planner_accuracy.py runs (reduced: 2 processes, 2 layouts, 1 step) so it cannot rot, and ``plan
 --calibrate`` plans with a preflight report's figures. The accuracy targets are not asserted: noisy machines."""
 
 from __future__ import annotations
