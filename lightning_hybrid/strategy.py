@@ -34,6 +34,7 @@ from lightning_hybrid.distributed.pipeline.runner import PipelineRunner, build_p
 from lightning_hybrid.distributed.pipeline.schedules import PP_SCHEDULES
 from lightning_hybrid.distributed.step_guard import StepGuard
 from lightning_hybrid.models.spec import ParallelSpec
+from lightning_hybrid.planner.auto_setup import auto_fields, check_strategy_request, resolve_auto
 
 __all__ = ["HybridParallelStrategy", "PP_SCHEDULES"]
 
@@ -50,7 +51,7 @@ class HybridParallelStrategy(ModelParallelStrategy):
     ``ModelParallelStrategy()`` (tp = devices per node), a bare ``HybridParallelStrategy()`` is tp=1, dp=world.
 
     Args:
-        tp: tensor-parallel size; keep it within a node.
+        tp: tensor-parallel size; keep it within a node. ``"auto"`` here and in the seven options below: planned.
         pp: pipeline-parallel size.
         dp: data-parallel size; ``None`` infers ``world_size // (tp * pp)``.
         data_parallel: ``"fsdp"`` (FSDP2, ZeRO-3 sharding over ``dp``) or ``"replicate"`` (full copies,
@@ -84,14 +85,14 @@ class HybridParallelStrategy(ModelParallelStrategy):
 
     def __init__(
         self,
-        tp: int = 1,
-        pp: int = 1,
-        dp: Optional[int] = None,
+        tp: Union[int, Literal["auto"]] = 1,
+        pp: Union[int, Literal["auto"]] = 1,
+        dp: Optional[Union[int, Literal["auto"]]] = None,
         data_parallel: str = "fsdp",
         sequence_parallel: bool = False,
         pp_schedule: str = "1f1b",
-        microbatches: Optional[int] = None,
-        virtual_stages: int = 1,
+        microbatches: Optional[Union[int, Literal["auto"]]] = None,
+        virtual_stages: Union[int, Literal["auto"]] = 1,
         pp_split_points: Optional[Union[list[str], list[int]]] = None,
         activation_checkpointing: str = "none",
         selective_ac: Union[str, int] = "op",
@@ -128,6 +129,7 @@ class HybridParallelStrategy(ModelParallelStrategy):
         self.train_sampler: Optional[Any] = None
         self.bubble_report: Optional[dict[str, Any]] = None
         self.step_guard = StepGuard()
+        self.auto_plan: Optional[Any] = None  # the planner's decision when an option is "auto"
 
     @property
     def dims(self) -> ParallelDims:
@@ -158,6 +160,8 @@ class HybridParallelStrategy(ModelParallelStrategy):
         module = self.lightning_module
         spec_fn = getattr(module, "parallel_spec", None)
         self._spec = spec_fn() if callable(spec_fn) else None
+        if auto_fields(self.options):  # planned in setup_environment, once the process group exists
+            return check_strategy_request(self)
         self._dims = check_options(self.options, self.num_nodes * self.num_processes,
                                    self.num_processes if self.num_nodes > 1 else None, self._spec,
                                    module.num_blocks() if self._spec is not None else None, self._precision,
@@ -168,6 +172,8 @@ class HybridParallelStrategy(ModelParallelStrategy):
         self._validate()
         init_round_process_group(self._get_process_group_backend(), self._timeout, self.root_device)
         self._setup_distributed()
+        if auto_fields(self.options):
+            self.options, self._dims, self.auto_plan = resolve_auto(self)
         self._device_mesh = build_mesh(self.dims, self.root_device.type, self._timeout)
         self.checkpoint_group, self.background_checkpoint_group = checkpoint_groups(self._timeout)
         attach_hang_detector(self.lightning_module.trainer, self.hang_timeout, self.global_rank, self.world_size,

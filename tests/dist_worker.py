@@ -59,12 +59,19 @@ def _module(kind: str) -> L.LightningModule:
 
 def _fit(config: dict, kind: str, trainer_extra: dict, callbacks: list, ckpt_path=None, max_steps=None):
     world = int(os.environ["WORLD_SIZE"])
-    dp = config.get("dp") or world // (config.get("tp", 1) * config.get("pp", 1) * config.get("cp", 1))
     module = _module(kind)
     kwargs = {**make_trainer_kwargs()["trainer"], **trainer_extra}
     if max_steps is not None:
         kwargs["max_steps"] = max_steps
     trainer = L.Trainer(strategy=HybridParallelStrategy(**config), devices=world, callbacks=callbacks, **kwargs)
+    if "auto" in config.values():  # the planner picks dp: a datamodule keeps the global batch; the resume is
+        from helpers.auto_data import GlobalBatchData  # announced before fit so the manifest's layout is kept
+
+        trainer.ckpt_path = ckpt_path
+        data = GlobalBatchData()
+        trainer.fit(module, datamodule=data)
+        return trainer, module, data.val_dataloader()
+    dp = config.get("dp") or world // (config.get("tp", 1) * config.get("pp", 1) * config.get("cp", 1))
     train, val = make_dataset(GLOBAL_BATCH // dp)
     trainer.fit(module, train_dataloaders=train, val_dataloaders=val, ckpt_path=ckpt_path)
     return trainer, module, val
@@ -95,7 +102,10 @@ def run(config: dict, out: Path) -> None:
               if "val_loss" in trainer.callback_metrics else None, "initial": weights.initial, "final": final,
               "optimizer": optimizer_state(module),
               "switches": applied_switches(module.model, getattr(trainer.strategy, "pipeline", None)),
-              "bubble": getattr(trainer.strategy, "bubble_report", None)}
+              "bubble": getattr(trainer.strategy, "bubble_report", None),
+              "auto": gather_objects(trainer.strategy.auto_plan.summary() if trainer.strategy.auto_plan else None)}
+    if trainer.strategy.auto_plan is not None:
+        record["auto_table"] = trainer.strategy.auto_plan.table()
     if evaluate:
         record.update(evaluate_after_fit(trainer, module, val))
     if trainer.global_rank == 0:

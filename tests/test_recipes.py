@@ -7,6 +7,7 @@ asked about each recipe's exact layout, the SLURM and torchrun scripts run again
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 import os
@@ -47,7 +48,40 @@ def printed_config(recipe: Path) -> dict[str, Any]:
                              "--print_config"], cwd=REPO, capture_output=True, text=True, timeout=240,
                             env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert result.returncode == 0, f"{recipe.name}: --print_config failed:\n{result.stderr[-4000:]}"
-    return yaml.safe_load(result.stdout)
+    config = yaml.safe_load(result.stdout)
+    config[RECIPE_KEY] = str(recipe)  # where strategy_args() finds the planner question of an auto recipe
+    return config
+
+
+RECIPE_KEY = "__recipe__"
+
+
+def resolve_auto(config: dict[str, Any], gpu: Optional[str] = None, gpus: Optional[int] = None) -> dict[str, Any]:
+    """The strategy arguments of an auto recipe as the strategy resolves them for its planner question (or for
+    ``gpus`` x ``gpu``): what ``HybridParallelStrategy`` does at setup, without the devices."""
+    from lightning_hybrid.distributed.parallelize import ParallelOptions
+    from lightning_hybrid.hardware import SYSTEM_GPUS
+    from lightning_hybrid.planner.auto import TrainingShape, apply_layout, plan_layout
+
+    args = config["trainer"]["strategy"]["init_args"]
+    problem, _ = planner_problem(Path(config[RECIPE_KEY]))
+    hw = problem.hw
+    if gpu is not None:
+        hw = type(hw)(SYSTEM_GPUS[gpu], gpus, hw.gpus_per_node)
+    names = [f.name for f in dataclasses.fields(ParallelOptions)]
+    options = ParallelOptions(**{k: v for k, v in args.items() if k in names})
+    data = config["data"]["init_args"]
+    shape = TrainingShape(int(data["seq_len"]), int(data.get("global_batch_size") or data["batch_size"]),
+                          data.get("global_batch_size") is not None)
+    plan = plan_layout(options, problem.config, hw, shape, problem.precision)
+    resolved = apply_layout(options, plan.summary())
+    return {**args, **{k: getattr(resolved, k) for k in names if k in args}}
+
+
+def strategy_args(config: dict[str, Any]) -> dict[str, Any]:
+    """The recipe's strategy arguments, with "auto" resolved as the strategy would."""
+    args = config["trainer"]["strategy"]["init_args"]
+    return resolve_auto(config) if "auto" in args.values() else args
 
 
 def plan_line(recipe: Path) -> str:
@@ -61,7 +95,7 @@ def plan_line(recipe: Path) -> str:
 
 def mesh_of(config: dict[str, Any]) -> dict[str, int]:
     trainer = config["trainer"]
-    args = trainer["strategy"]["init_args"]
+    args = strategy_args(config)
     devices, nodes = int(trainer["devices"]), int(trainer["num_nodes"])
     world = devices * nodes
     tp, pp, cp = int(args["tp"]), int(args["pp"]), int(args.get("cp") or 1)
@@ -74,9 +108,10 @@ def layout_of(config: dict[str, Any]):
     """The planner's :class:`Layout` for what the recipe runs (micro-batching as the strategy does it)."""
     from lightning_hybrid.planner.search import Layout
 
-    args = config["trainer"]["strategy"]["init_args"]
+    args = strategy_args(config)
     mesh = mesh_of(config)
-    batch = int(config["data"]["init_args"]["batch_size"])
+    data = config["data"]["init_args"]
+    batch = int(data["global_batch_size"]) // mesh["dp"] if data.get("global_batch_size") else int(data["batch_size"])
     accumulate = int(config["trainer"].get("accumulate_grad_batches") or 1)
     if mesh["pp"] > 1:
         microbatches = int(args["microbatches"] or 2 * mesh["pp"])
@@ -111,7 +146,7 @@ def callback(config: dict[str, Any], name: str) -> Optional[dict[str, Any]]:
 def test_the_recipes_folder_has_the_documented_recipes():
     names = {p.name for p in RECIPES}
     assert {"tiny-cpu.yaml", "qwen2.5-72b-pretrain.yaml", "qwen2.5-72b-sft.yaml", "qwen2.5-7b.yaml",
-            "qwen2.5-72b-sft-h100.yaml"} <= names
+            "qwen2.5-72b-sft-h100.yaml", "qwen2.5-72b-auto.yaml"} <= names
 
 
 @pytest.mark.parametrize("recipe", RECIPES, ids=recipe_id)
@@ -139,7 +174,7 @@ def test_recipe_mesh_multiplies_to_the_devices_and_keeps_tp_inside_a_node(recipe
     dims = ParallelDims.resolve(mesh["tp"], mesh["pp"], mesh["dp"], mesh["world"], devices_per_node=mesh["devices"],
                                 cp=mesh["cp"], dp_shard=mesh["dp_shard"] or None)
     module = CausalLM(config["model"]["model"])
-    virtual = int(config["trainer"]["strategy"]["init_args"]["virtual_stages"])
+    virtual = int(strategy_args(config)["virtual_stages"])
     dims.check_model(module.parallel_spec().tp_divisible, module.num_blocks(), virtual)
     if mesh["pp"] > 1:
         stages = plan_stages(module.parallel_spec(), module.num_blocks(), mesh["pp"] * virtual)
@@ -160,7 +195,8 @@ def test_recipe_and_its_planner_question_describe_the_same_job(recipe):
     assert problem.config == Qwen2Config.resolve(config["model"]["model"])
     assert problem.precision == config["trainer"]["precision"]
     assert problem.seq_len == int(data["seq_len"])
-    assert problem.global_batch == int(data["batch_size"]) * mesh["dp"] * accumulate
+    batch = int(data["global_batch_size"]) if data.get("global_batch_size") else int(data["batch_size"]) * mesh["dp"]
+    assert problem.global_batch == batch * accumulate
 
 
 @pytest.mark.parametrize("recipe", RECIPES, ids=recipe_id)
@@ -193,6 +229,25 @@ def test_checkpoint_interval_of_a_large_recipe_follows_the_planners_young_daly_e
     assert ckpt["every_n_minutes"] is not None
     assert 0.5 <= ckpt["every_n_minutes"] / planned_minutes <= 2.0, (ckpt["every_n_minutes"], planned_minutes)
     assert ckpt["mtbf_hours"] == pytest.approx(plan["mtbf_hours"], rel=0.05)
+
+
+AUTO_RECIPE = REPO / "recipes" / "qwen2.5-72b-auto.yaml"
+
+
+def test_auto_recipe_prints_auto_and_resolves_as_its_header_says():
+    config = printed_config(AUTO_RECIPE)
+    args = config["trainer"]["strategy"]["init_args"]
+    for name in ("tp", "pp", "dp", "microbatches", "virtual_stages", "pp_schedule", "activation_checkpointing",
+                 "data_parallel"):
+        assert args[name] == "auto", (name, args[name])  # --print_config shows what the user wrote
+    header = AUTO_RECIPE.read_text()
+    for gpu, gpus, line in (("b300", 128, "128 x B300"), ("h100", 64, "64 x H100")):
+        r = resolve_auto(config, gpu, gpus)
+        said = re.search(re.escape(line) + r".*?: tp=(\d+) pp=(\d+) dp=(\d+) (\w+), (\w+) v=(\d+), (\d+) micro-batches",
+                         header, re.S)
+        assert said, line
+        assert said.groups() == (str(r["tp"]), str(r["pp"]), str(r["dp"]), r["data_parallel"], r["pp_schedule"],
+                                 str(r["virtual_stages"]), str(r["microbatches"])), (line, r)
 
 
 @pytest.mark.parametrize("recipe", [r for r in RECIPES if r.name.startswith("qwen")], ids=recipe_id)

@@ -18,7 +18,9 @@ Wrappers (in ``lightning_hybrid.distributed``) and the private APIs they use:
 - ``callbacks.rollback._restore_counters``: Lightning's ``_TrainingEpochLoop._batches_that_stepped`` and the fit
   loop's state-dict keys ``epoch_loop.automatic_optimization.optim_progress`` and ``epoch_loop.state_dict``;
 - ``callbacks.rollback._rewind``: the fit loop's ``_data_fetcher`` (``iter()`` makes its iterator anew, ``fetched``
-  counts the epoch's batches) and its state-dict key ``epoch_loop.batch_progress``.
+  counts the epoch's batches) and its state-dict key ``epoch_loop.batch_progress``;
+- ``lightning_hybrid.planner.auto_setup._data``: Lightning's ``trainer.fit_loop._data_source.instance`` (the
+  DataLoader given to ``fit``, before Lightning sets it up), read by the auto layout.
 
 All single-process: the pipeline schedules are built over stand-in stages, the clipping runs without a process
 group, and the DeviceMesh tests use a one-process gloo group on 127.0.0.1 (destroyed after each test).
@@ -354,3 +356,16 @@ def test_the_fit_loop_keeps_a_data_fetcher_that_iter_restarts_and_counts_fetched
         assert next(fetcher)[0] == 10 and fetcher.fetched == 2 and not fetcher.done
         next(fetcher)
     assert fetcher.done, broken(REWIND, "the fetcher does not end the epoch at fetched == length")
+
+
+AUTO_DATA = "lightning_hybrid.planner.auto_setup._data"
+
+
+def test_fit_loop_data_source_holds_the_dataloader_given_to_fit():
+    from lightning_hybrid.planner.auto_setup import _data
+
+    trainer = lightning.Trainer(accelerator="cpu", devices=1, logger=False, enable_checkpointing=False)
+    loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(torch.zeros(4, 8)), batch_size=2)
+    module = lightning.LightningModule()
+    trainer._data_connector.attach_data(module, train_dataloaders=loader)
+    assert _data(trainer) == (None, loader), f"{AUTO_DATA}: Lightning moved fit_loop._data_source.instance"

@@ -108,15 +108,17 @@ class PackedTokenDataModule(pl.LightningDataModule):
         num_workers: DataLoader workers.
         shuffle: shuffle the training sequences (under a distributed strategy Lightning's sampler does it,
             seeded, so every dp rank agrees on the order).
+        global_batch_size: sequences per step over all dp ranks, kept whatever dp the strategy has (``tp="auto"``
+            may choose it); each rank then reads ``global_batch_size / dp`` and ``batch_size`` is not used.
 
     Raises:
         ValueError: ``val_fraction`` outside [0, 1), or too few sequences for the split.
     """
 
     def __init__(self, path: str, batch_size: int = 8, seq_len: Optional[int] = None, val_fraction: float = 0.01,
-                 num_workers: int = 0, shuffle: bool = True) -> None:
+                 num_workers: int = 0, shuffle: bool = True, global_batch_size: Optional[int] = None) -> None:
         super().__init__()
-        check_positive(batch_size=batch_size, seq_len=seq_len)
+        check_positive(batch_size=batch_size, seq_len=seq_len, global_batch_size=global_batch_size)
         if not 0.0 <= val_fraction < 1.0:
             raise ValueError(f"val_fraction={val_fraction} must be in [0, 1)")
         self.save_hyperparameters()
@@ -135,14 +137,30 @@ class PackedTokenDataModule(pl.LightningDataModule):
         self.train_set = PackedTokenDataset(hp.path, full.seq_len, 0, len(full) - n_val)
         self.val_set = PackedTokenDataset(hp.path, full.seq_len, len(full) - n_val) if n_val else None
 
+    def rank_batch_size(self) -> int:
+        """Sequences per dp rank and step: ``batch_size``, or ``global_batch_size / dp``.
+
+        Raises:
+            ValueError: dp does not divide ``global_batch_size``.
+        """
+        hp = self.hparams
+        if hp.global_batch_size is None:
+            return hp.batch_size
+        dims = getattr(self.trainer.strategy, "dims", None) if self.trainer is not None else None
+        dp = dims.dp if dims is not None else (self.trainer.world_size if self.trainer is not None else 1)
+        if hp.global_batch_size % dp:
+            raise ValueError(f"global_batch_size={hp.global_batch_size} does not split over dp={dp}; use a multiple "
+                             f"of {dp}")
+        return hp.global_batch_size // dp
+
     def train_dataloader(self) -> DataLoader:
-        return DataLoader(self.train_set, batch_size=self.hparams.batch_size, shuffle=self.hparams.shuffle,
+        return DataLoader(self.train_set, batch_size=self.rank_batch_size(), shuffle=self.hparams.shuffle,
                           drop_last=True, num_workers=self.hparams.num_workers)
 
     def val_dataloader(self) -> Any:
         if self.val_set is None:
             return []
-        return DataLoader(self.val_set, batch_size=self.hparams.batch_size, shuffle=False, drop_last=True,
+        return DataLoader(self.val_set, batch_size=self.rank_batch_size(), shuffle=False, drop_last=True,
                           num_workers=self.hparams.num_workers)
 
     def test_dataloader(self) -> Any:

@@ -33,9 +33,13 @@ if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
 
 __all__ = ["ParallelOptions", "check_options", "parallelize", "require_meta", "DECLARED_PRECISIONS",
-           "REDUCE_DTYPES", "choice", "positive_int", "lightning_size"]
+           "REDUCE_DTYPES", "choice", "positive_int", "lightning_size", "AUTO", "AUTO_FIELDS"]
 
 DECLARED_PRECISIONS = ("32-true", "bf16-mixed", "bf16-true")
+# Options the strategy may leave to the planner (lightning_hybrid/planner/auto.py resolves them at setup).
+AUTO = "auto"
+AUTO_FIELDS = ("tp", "pp", "dp", "microbatches", "virtual_stages", "pp_schedule", "activation_checkpointing",
+               "data_parallel")
 REDUCE_DTYPES = {"fp32": torch.float32, "float32": torch.float32, "bf16": torch.bfloat16, "bfloat16": torch.bfloat16}
 
 
@@ -50,12 +54,13 @@ def choice(name: str, value: Any, choices: Any) -> str:
     return value.lower()
 
 
-def positive_int(name: str, value: Any, allow_none: bool = False) -> None:
-    """Raise ``ValueError`` unless ``value`` is a positive ``int`` (or ``None`` when allowed)."""
-    if value is None and allow_none:
+def positive_int(name: str, value: Any, allow_none: bool = False, allow_auto: bool = False) -> None:
+    """Raise ``ValueError`` unless ``value`` is a positive ``int`` (or ``None``/``"auto"`` when allowed)."""
+    if (value is None and allow_none) or (value == AUTO and allow_auto):
         return
     if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-        raise ValueError(f"{name}={value!r} must be a positive integer" + (" or None" if allow_none else ""))
+        raise ValueError(f"{name}={value!r} must be a positive integer" + (" or None" if allow_none else "")
+                         + (" or 'auto'" if allow_auto else ""))
 
 
 def lightning_size(name: str, value: Any) -> None:
@@ -107,14 +112,14 @@ class ParallelOptions:
             with different values (on construction).
     """
 
-    tp: int = 1
-    pp: int = 1
-    dp: Optional[int] = None
+    tp: Union[int, Literal["auto"]] = 1
+    pp: Union[int, Literal["auto"]] = 1
+    dp: Optional[Union[int, Literal["auto"]]] = None
     data_parallel: str = "fsdp"
     sequence_parallel: bool = False
     pp_schedule: str = "1f1b"
-    microbatches: Optional[int] = None
-    virtual_stages: int = 1
+    microbatches: Optional[Union[int, Literal["auto"]]] = None
+    virtual_stages: Union[int, Literal["auto"]] = 1
     pp_split_points: Optional[Union[list[str], list[int]]] = None
     activation_checkpointing: str = "none"
     selective_ac: Union[str, int] = "op"
@@ -128,23 +133,27 @@ class ParallelOptions:
     dp_shard: Optional[int] = None
 
     def __post_init__(self) -> None:
-        for name in ("tp", "pp", "virtual_stages", "cp"):
-            positive_int(name, getattr(self, name))
-        positive_int("dp", self.dp, allow_none=True)
+        for name in AUTO_FIELDS:  # "auto" in any case; the planner resolves it at setup
+            if isinstance(getattr(self, name), str) and getattr(self, name).lower() == AUTO:
+                setattr(self, name, AUTO)
+        for name in ("tp", "pp", "virtual_stages"):
+            positive_int(name, getattr(self, name), allow_auto=True)
+        positive_int("cp", self.cp)
+        positive_int("dp", self.dp, allow_none=True, allow_auto=True)
         positive_int("dp_shard", self.dp_shard, allow_none=True)
         lightning_size("data_parallel_size", self.data_parallel_size)
         lightning_size("tensor_parallel_size", self.tensor_parallel_size)
         self.tp = _alias("tp", self.tp, 1, "tensor_parallel_size", self.tensor_parallel_size)
         self.dp = _alias("dp", self.dp, None, "data_parallel_size", self.data_parallel_size)
-        positive_int("microbatches", self.microbatches, allow_none=True)
-        self.data_parallel = choice("data_parallel", self.data_parallel, DATA_PARALLEL_MODES)
+        positive_int("microbatches", self.microbatches, allow_none=True, allow_auto=True)
+        self.data_parallel = choice("data_parallel", self.data_parallel, DATA_PARALLEL_MODES + (AUTO,))
         if (self.dp_shard is not None) != (self.data_parallel == "hsdp"):
             raise ValueError(f"data_parallel={self.data_parallel!r} with dp_shard={self.dp_shard!r}: HSDP needs both "
                              f"(data_parallel='hsdp', dp_shard=ranks per shard group), other modes neither")
         self.sequence_parallel = bool(self.sequence_parallel)
-        self.pp_schedule = choice("pp_schedule", self.pp_schedule, PP_SCHEDULES)
+        self.pp_schedule = choice("pp_schedule", self.pp_schedule, tuple(PP_SCHEDULES) + (AUTO,))
         self.activation_checkpointing = choice("activation_checkpointing", self.activation_checkpointing,
-                                               ACTIVATION_CHECKPOINTING)
+                                               tuple(ACTIVATION_CHECKPOINTING) + (AUTO,))
         self.selective_ac = resolve_selective(self.selective_ac)
         self.compile = bool(self.compile)
         if self.reduce_dtype is not None:
@@ -173,7 +182,8 @@ class ParallelOptions:
         """The layout a checkpoint records: sizes, data-parallel mode, stages per rank and schedule."""
         layout = {"tp": dims.tp, "pp": dims.pp, "dp": dims.dp, "world_size": dims.world_size,
                   "data_parallel": self.data_parallel, "virtual_stages": self.virtual_stages,
-                  "pp_schedule": self.pp_schedule}
+                  "pp_schedule": self.pp_schedule, "microbatches": self.microbatches,
+                  "activation_checkpointing": self.activation_checkpointing}
         if dims.cp > 1:
             layout["cp"] = dims.cp
         if dims.dp_replicate > 1:

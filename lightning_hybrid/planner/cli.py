@@ -10,6 +10,7 @@ from typing import Optional
 
 from lightning_hybrid.hardware import GPU, SYSTEM_GPUS
 from lightning_hybrid.models.qwen2.config import PRESETS, Qwen2Config
+from lightning_hybrid.planner.calibrate import calibrate_hardware, load_preflight
 from lightning_hybrid.planner.interval import (
     DEFAULT_GPU_MTBF_HOURS,
     DEFAULT_RESTART_SECONDS,
@@ -49,6 +50,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--compute-efficiency", type=float, default=GEMM_PEAK_EFFICIENCY,
                    help=f"fraction of peak large matmuls reach ({GEMM_PEAK_EFFICIENCY}, fitted on published runs)")
     p.add_argument("--link-efficiency", type=float, default=0.8, help="collective bus bandwidth / link bandwidth")
+    p.add_argument("--calibrate", metavar="PREFLIGHT_JSON",
+                   help="take the matmul speed and each link's bandwidth and latency from a preflight report "
+                        "(`lightning-hybrid preflight --json`) measured on this cluster instead of the GPU table")
     p.add_argument("--mtbf-hours", type=float,
                    help=f"job MTBF in hours (default {DEFAULT_GPU_MTBF_HOURS:.0f} GPU-hours / gpus)")
     p.add_argument("--save-seconds", type=float,
@@ -86,6 +90,8 @@ def build_problem(args: argparse.Namespace) -> Problem:
     hw = Hardware(SYSTEM_GPUS[args.gpu], args.gpus, min(args.gpus_per_node, args.gpus),
                   compute_efficiency=args.compute_efficiency, link_efficiency=args.link_efficiency)
     hw = hw.with_overrides(args.gpu_memory_gb, args.peak_tflops, args.intra_node_gbps, args.inter_node_gbps)
+    if getattr(args, "calibrate", None):
+        hw = calibrate_hardware(hw, load_preflight(args.calibrate))
     batch = args.global_batch or max(1, DEFAULT_BATCH_TOKENS // args.seq_len)
     return Problem(config, hw, args.seq_len, batch, args.precision, args.optimizer)
 

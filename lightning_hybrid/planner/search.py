@@ -45,7 +45,7 @@ from lightning_hybrid.planner.step_time import (
     gemm_efficiency,
 )
 
-__all__ = ["Layout", "Estimate", "estimate", "search", "explain", "rank_memory"]
+__all__ = ["Layout", "Estimate", "estimate", "search", "explain", "rank_memory", "layout_reason"]
 
 # (schedule, virtual stages) tried for pp > 1; pp == 1 uses ("none", 1).
 PIPELINE_SCHEDULES = (("1f1b", 1), ("interleaved_1f1b", 2), ("interleaved_1f1b", 4))
@@ -170,6 +170,9 @@ def _layout_reason(problem: Problem, tp: int, pp: int, dp: int, virtual_stages: 
     if problem.global_batch % dp:
         return f"global batch {problem.global_batch} is not divisible by dp={dp}"
     return ""
+
+
+layout_reason = _layout_reason  # public name: the auto layout (planner/auto.py) asks it too
 
 
 @functools.lru_cache(maxsize=65536)
@@ -500,6 +503,21 @@ def _time_detail(problem: Problem, layout: Layout, shape: _LayoutShape, work: _W
                                                         k, n) for name, (k, n) in shapes.items()}}
 
 
+def _core_sharing_seconds(problem: Problem, layout: Layout, ranks: list[_RankCost], time: dict[str, float]) -> float:
+    """CPU processes on fewer cores than processes: a step takes at least the node's busy time over its cores.
+
+    Every rank's compute, recompute, collectives and optimizer run on the CPU (gloo's collectives too); pipeline
+    ranks idle in the bubble leave their core to others. 0 on GPUs (``Hardware.cores_per_node`` unset).
+    """
+    hw = problem.hw
+    if not hw.cores_per_node or hw.gpus_per_node <= hw.cores_per_node:
+        return 0.0
+    on_node = min(hw.gpus_per_node, hw.gpus)  # processes of a node: on_node / pp of them per pipeline position
+    busy = on_node / layout.pp * sum(layout.microbatches * r.work.total for r in ranks)
+    busy += on_node * (time["optimizer"] + time["dp_comm"])
+    return max(0.0, busy / hw.cores_per_node - sum(time.values()))
+
+
 def estimate(problem: Problem, layout: Layout) -> Estimate:
     """Memory and step time of ``layout`` for ``problem`` (memory of the fullest pipeline rank)."""
     shape = _layout_shape(problem, layout)
@@ -513,6 +531,7 @@ def estimate(problem: Problem, layout: Layout) -> Estimate:
             "optimizer": _optimizer_seconds(problem, shape, slowest)}
     if layout.cp > 1:
         time["cp_comm"] = m * work.cp
+    time["core_sharing"] = _core_sharing_seconds(problem, layout, ranks, time)
     time["step"] = sum(time.values())
     step_tokens = problem.global_batch * problem.seq_len
     model_flops = step_tokens * flops_per_token(problem.config, problem.seq_len)

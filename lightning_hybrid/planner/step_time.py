@@ -189,6 +189,7 @@ class Hardware:
         intra_latency_s, inter_latency_s: fixed cost of one collective inside a node / across nodes.
         reserved_gb: memory the framework takes before the model (CUDA context, NCCL buffers, workspaces).
         fragmentation: fraction of the remaining memory lost to allocator fragmentation.
+        cores_per_node: CPU processes share this many cores (``None``: every rank has its own device, as GPUs).
     """
 
     gpu: GPU
@@ -200,6 +201,7 @@ class Hardware:
     inter_latency_s: float = NETWORK_LATENCY_S
     reserved_gb: float = 4.0
     fragmentation: float = 0.05
+    cores_per_node: Optional[int] = None
 
     @property
     def usable_bytes(self) -> float:

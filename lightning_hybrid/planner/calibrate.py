@@ -1,0 +1,168 @@
+"""The planner's hardware figures from the machine it runs on: a preflight report, or a quick CPU measurement.
+
+``lightning-hybrid plan --calibrate preflight.json`` and ``HybridParallelStrategy(tp="auto", preflight=True)`` read a
+preflight report (:mod:`lightning_hybrid.preflight.links`, ``--json``) into :class:`~.step_time.Hardware`:
+
+* matmul: the median device's TFLOP/s. On a GPU it sets the large-GEMM efficiency (measured / datasheet peak, so
+  MFU stays against the datasheet); on CPU it is the peak itself (efficiency 1).
+* links: every tested group is intra-node or inter-node (the preflight names the link); per kind the median group's
+  best bus bandwidth replaces the table's NVLink / network figure (link efficiency 1: it is measured), and the fixed
+  cost of one collective is the intercept of the line through the group's smallest and largest message times.
+  TP and DP collectives and pipeline transfers then cost what the mesh dimension's link measured.
+
+Without a preflight, a CPU run measures a float32 matmul and a memory copy on the spot (a fraction of a second)
+and takes gloo's link figures from :data:`CPU_GLOO_BUS_GBS` and :data:`CPU_GLOO_LATENCY_S`. CPU processes share
+the cores this process may run on (``Hardware.cores_per_node``): a step takes at least the node's busy time over
+its cores (``core_sharing`` in the estimate).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import time
+from dataclasses import replace
+from pathlib import Path
+from typing import Any, Optional, Union
+
+from lightning_hybrid.hardware import GPU, PeakFlops, gpu_from_device_name
+from lightning_hybrid.planner.step_time import Hardware, TimeModel
+
+__all__ = ["calibrate_hardware", "load_preflight", "local_hardware", "measure_cpu", "cpu_gpu_entry", "CPU_TIME_MODEL",
+           "CPU_GLOO_BUS_GBS", "CPU_GLOO_LATENCY_S", "CPU_MATMUL_SIZE"]
+
+CPU_MATMUL_SIZE = 384
+"""Side of the float32 matmul timed on CPU: large enough to reach the cores' GEMM speed, a few ms per call."""
+CPU_COPY_BYTES = 32 << 20  # the memory copy timed on CPU: beyond the caches
+CPU_GLOO_BUS_GBS = 1.0
+"""gloo's bus bandwidth between processes of one machine (shared memory through TCP loopback), GB/s; a preflight
+replaces it."""
+CPU_GLOO_LATENCY_S = 150e-6
+"""Fixed cost of one gloo collective on one machine, seconds; a preflight replaces it."""
+CPU_TIME_MODEL = TimeModel(gemm_knee=24.0, tp_overlap_exposed=1.0, attention_efficiency=0.25, hbm_efficiency=1.0)
+"""CPU kernels: small GEMMs lose less to tiling than on a GPU (knee 24, not 664); attention (SDPA's math path on
+CPU) reaches about a quarter of the matmul speed; elementwise ops move bytes at the measured copy bandwidth."""
+
+
+def _timed(fn: Any, repeats: int) -> float:
+    fn()
+    start = time.perf_counter()
+    for _ in range(repeats):
+        fn()
+    return (time.perf_counter() - start) / repeats
+
+
+def measure_cpu(size: int = CPU_MATMUL_SIZE, repeats: int = 5) -> tuple[float, float]:
+    """(float32 matmul TFLOP/s, memory copy TB/s) of this process on CPU, with the threads it has."""
+    import torch
+
+    a, b = torch.randn(size, size), torch.randn(size, size)
+    matmul = 2 * size ** 3 / _timed(lambda: a @ b, repeats) / 1e12
+    src = torch.empty(CPU_COPY_BYTES // 4)
+    dst = torch.empty_like(src)
+    copy = 2 * CPU_COPY_BYTES / _timed(lambda: dst.copy_(src), repeats) / 1e12  # read + write
+    return matmul, copy
+
+
+def cpu_gpu_entry(matmul_tflops: float, copy_tbs: float, memory_gb: float) -> GPU:
+    """A table entry for CPU processes: the measured matmul speed as every dtype's peak, gloo's link figures."""
+    peak = matmul_tflops * 1e12
+    return GPU("cpu", PeakFlops(fp32=peak, tf32=peak, bf16=peak, fp16=peak), memory_gb=memory_gb, hbm_tbs=copy_tbs,
+               nvlink_gbs=CPU_GLOO_BUS_GBS, nvlinks=0, network_gbits=CPU_GLOO_BUS_GBS * 8, pcie_gen=0)
+
+
+def _host_memory_gb(processes: int) -> float:
+    total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    return total / max(1, processes) / 1e9
+
+
+def load_preflight(path: Union[str, Path]) -> dict[str, Any]:
+    """A preflight report written with ``lightning-hybrid preflight --json``.
+
+    Raises:
+        ValueError: the file is missing or not a preflight report.
+    """
+    try:
+        doc = json.loads(Path(path).read_text())
+    except (OSError, ValueError) as err:
+        raise ValueError(f"--calibrate {path}: cannot read a preflight JSON report ({err}); write one with "
+                         f"`lightning-hybrid preflight --json > {Path(path).name}`") from None
+    if not isinstance(doc, dict) or "links" not in doc or "matmul" not in doc:
+        raise ValueError(f"--calibrate {path}: not a preflight report (no 'links' and 'matmul'); write one with "
+                         f"`lightning-hybrid preflight --json`")
+    return doc
+
+
+def _link_figures(links: list[dict[str, Any]], inter: bool) -> Optional[tuple[float, float]]:
+    """(bus bandwidth GB/s, latency s) of the median intra- or inter-node group, ``None`` when none was tested."""
+    bandwidths, latencies = [], []
+    for link in links:
+        if str(link.get("link", "")).startswith("inter") != inter or not link.get("sizes"):
+            continue
+        bandwidths.append(float(link["busbw_gbs"]))
+        sizes = sorted(link["sizes"], key=lambda s: s["bytes"])
+        small, large = sizes[0], sizes[-1]
+        if large["bytes"] > small["bytes"] and large["seconds"] > small["seconds"]:
+            slope = (large["seconds"] - small["seconds"]) / (large["bytes"] - small["bytes"])
+            latencies.append(max(0.0, small["seconds"] - slope * small["bytes"]))
+    if not bandwidths:
+        return None
+    return statistics.median(bandwidths), statistics.median(latencies) if latencies else 0.0
+
+
+def calibrate_hardware(hw: Hardware, preflight: dict[str, Any]) -> Hardware:
+    """``hw`` with the matmul speed and each link kind's bandwidth and latency a preflight report measured."""
+    gpu, changes = hw.gpu, {}
+    tflops = [float(m["tflops"]) for m in preflight.get("matmul", []) if m.get("tflops")]
+    if tflops:
+        measured = statistics.median(tflops)
+        if gpu.name == "cpu" or not gpu.peak.bf16:
+            peak = measured * 1e12
+            gpu = replace(gpu, peak=PeakFlops(fp32=peak, tf32=peak, bf16=peak, fp16=peak))
+            changes["compute_efficiency"] = 1.0
+        else:
+            changes["compute_efficiency"] = measured * 1e12 / gpu.peak.bf16
+    intra, inter = (_link_figures(preflight.get("links", []), flag) for flag in (False, True))
+    if intra is not None:
+        gpu = replace(gpu, nvlink_gbs=intra[0])
+        changes["intra_latency_s"] = intra[1]
+    if inter is not None:
+        gpu = replace(gpu, network_gbits=inter[0] * 8)
+        changes["inter_latency_s"] = inter[1]
+    if intra is not None or inter is not None:
+        changes["link_efficiency"] = 1.0
+        if inter is None and intra is not None:  # one node: inter-node figures are never used, keep them consistent
+            gpu = replace(gpu, network_gbits=intra[0] * 8)
+    return replace(hw, gpu=gpu, **changes)
+
+
+def local_hardware(device: Any, world_size: int, devices_per_node: int,
+                   preflight: Optional[dict[str, Any]] = None) -> tuple[Hardware, Optional[TimeModel], str]:
+    """(hardware, time model or ``None`` for the default, description) of this job's devices.
+
+    Raises:
+        ValueError: a CUDA device the GPU table does not know.
+    """
+    if getattr(device, "type", str(device)) == "cuda":
+        import torch
+
+        name = torch.cuda.get_device_name(device)
+        gpu = gpu_from_device_name(name)
+        if gpu is None or not gpu.has_system_figures:
+            raise ValueError(f"device {name!r} is not in lightning_hybrid.hardware's table with memory and link "
+                             f"figures; give fixed sizes (tp, pp, dp) instead of 'auto'")
+        gpu = replace(gpu, memory_gb=torch.cuda.get_device_properties(device).total_memory / 1e9)
+        hw, time_model, described = Hardware(gpu, world_size, devices_per_node), None, f"{name} x {world_size}"
+    else:
+        matmul, copy = measure_cpu()
+        gpu = cpu_gpu_entry(matmul, copy, _host_memory_gb(devices_per_node))
+        hw = Hardware(gpu, world_size, devices_per_node, compute_efficiency=1.0, link_efficiency=1.0,
+                      intra_latency_s=CPU_GLOO_LATENCY_S, inter_latency_s=CPU_GLOO_LATENCY_S, reserved_gb=0.5,
+                      fragmentation=0.1, cores_per_node=len(os.sched_getaffinity(0)))
+        time_model = CPU_TIME_MODEL
+        described = f"CPU x {world_size}: matmul {matmul * 1e3:.1f} GFLOP/s, copy {copy * 1e3:.1f} GB/s measured"
+    if preflight is not None:
+        hw = calibrate_hardware(hw, preflight)
+        described += "; links and matmul from the preflight"
+    return hw, time_model, described
