@@ -22,6 +22,7 @@ from lightning_hybrid.distributed.activation_checkpoint import (
     resolve_selective,
 )
 from lightning_hybrid.distributed.data_parallel import DATA_PARALLEL_MODES, apply_fsdp
+from lightning_hybrid.distributed.materialize import materialize
 from lightning_hybrid.distributed.parallel_dims import ParallelDims
 from lightning_hybrid.distributed.pipeline.schedules import PP_SCHEDULES, default_microbatches, validate_schedule
 from lightning_hybrid.distributed.pipeline.split import plan_stages
@@ -258,5 +259,5 @@ def parallelize(module: nn.Module, spec: ParallelSpec, options: ParallelOptions,
     if dims.dp > 1 and options.data_parallel == "fsdp":
         apply_fsdp(module, getattr(module, spec.blocks), mesh["dp"], param_dtype=options.param_dtype(precision),
                    reduce_dtype=options.reduction_dtype(precision), reshard_after_forward=reshard_after_forward)
-    module.to_empty(device=device)
+    materialize(module, device)
 
