@@ -47,6 +47,14 @@ class DryRunJob:
         """Processes in the job."""
         return self.num_nodes * self.devices_per_node
 
+    def with_microbatches(self, microbatches: int) -> "DryRunJob":
+        """This job running ``microbatches`` micro-batches of the same size per step (a pipeline's traced step)."""
+        current = self.strategy.get("microbatches")
+        if current is None or current == microbatches:
+            return self
+        size = self.batch_size // current
+        return replace(self, batch_size=size * microbatches, strategy={**self.strategy, "microbatches": microbatches})
+
     def with_strategy(self, **changes: Any) -> "DryRunJob":
         """This job with some strategy arguments changed (what-if runs, tests)."""
         return replace(self, strategy={**self.strategy, **changes})
