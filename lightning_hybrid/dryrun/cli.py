@@ -1,4 +1,4 @@
-"""``lightning-hybrid dry-run``: every rank of a recipe built and one step traced on one CPU, held against the planner."""
+"""``lightning-hybrid dry-run``: every rank of a recipe built and a step traced on one CPU, against the planner."""
 
 from __future__ import annotations
 
@@ -180,7 +180,7 @@ def dry_run_main(argv: Optional[list[str]] = None) -> int:
     """Entry point of ``lightning-hybrid dry-run``.
 
     Raises:
-        ValueError: a bad flag or a recipe the strategy refuses (the ``lightning-hybrid`` command prints it as one line).
+        ValueError: a bad flag or a recipe the strategy refuses (``lightning-hybrid`` prints it as one line).
     """
     args = build_parser().parse_args(argv)
     job = load_job(args.config)

@@ -58,8 +58,8 @@ def predict(job: DryRunJob, config: Any, dims: Any, options: Any, result: RankRe
     """The planner's figures for ``result``'s rank: its exact state bytes at the rank's coordinates
     (:func:`~lightning_hybrid.planner.memory.rank_memory`) and its memory breakdown for the rank's pipeline
     coordinate (activations held at the peak, total)."""
-    from lightning_hybrid.hardware import SYSTEM_GPUS
     from lightning_hybrid.distributed.pipeline.schedules import V_SHAPED
+    from lightning_hybrid.hardware import SYSTEM_GPUS
     from lightning_hybrid.planner.memory import rank_memory
     from lightning_hybrid.planner.search import Problem, rank_memory_breakdown
     from lightning_hybrid.planner.step_time import Hardware
