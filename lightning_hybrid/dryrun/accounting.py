@@ -133,11 +133,15 @@ def mesh_dimension_groups(mesh: Any, world_size: int) -> dict[tuple[int, ...], s
     return names
 
 
-def _kind(op_name: str) -> str:
+def _kind(op_name: str) -> Optional[str]:
+    """The collective an operator performs, or ``None`` for a helper of those namespaces (``wait_tensor``,
+    ``_wrap_tensor_autograd``, barriers)."""
+    if op_name in _NOT_COUNTED or op_name.startswith("_wrap"):
+        return None
     for key, kind in _KINDS:
         if key in op_name:
             return kind
-    return op_name
+    return None
 
 
 def _group_of(args: Iterable[Any]) -> Optional[Any]:
@@ -187,10 +191,11 @@ class CollectiveCounter(TorchDispatchMode):
         kwargs = kwargs or {}
         result = func(*args, **kwargs)
         namespace, name = func.namespace, func._schema.name.split("::")[-1]
-        if namespace in COLLECTIVE_NAMESPACES and name not in _NOT_COUNTED:
+        kind = _kind(name) if namespace in COLLECTIVE_NAMESPACES else None
+        if kind is not None:
             sizes = [sum(_nbytes(t) for t in tree_leaves(a) if isinstance(t, torch.Tensor)) for a in args]
             sizes.append(sum(_nbytes(t) for t in tree_leaves(result) if isinstance(t, torch.Tensor)))
-            entry = self.counts[self._dimension(args)][_kind(name)]
+            entry = self.counts[self._dimension(args)][kind]
             entry[0] += 1
             entry[1] += max(sizes)
         return result
