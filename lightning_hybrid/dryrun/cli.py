@@ -85,6 +85,21 @@ def traced_microbatches(options: Any, dims: Any) -> int:
     return min(options.num_microbatches, 2 * dims.pp * options.virtual_stages)
 
 
+def trace_ranks(job: DryRunJob, ranks: list[int]) -> list[Any]:
+    """:func:`~lightning_hybrid.dryrun.rank.run_rank` for each rank, each in a fresh process (a process joins one
+    world: torch keeps process groups and meshes by name for the life of a process), several at once on a
+    machine with the cores for it."""
+    import multiprocessing
+    import os
+    from concurrent.futures import ProcessPoolExecutor
+
+    from lightning_hybrid.dryrun.rank import run_rank
+
+    workers = max(1, min(len(ranks), os.cpu_count() or 1))
+    with ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("spawn"), max_tasks_per_child=1) as pool:
+        return list(pool.map(run_rank, [job] * len(ranks), ranks))
+
+
 def _ratio(traced: float, planned: float) -> Optional[float]:
     return traced / planned if planned else None
 
@@ -106,8 +121,6 @@ def dry_run(job: DryRunJob, ranks: list[int], gpu: str, device_memory_gib: Optio
     Raises:
         ValueError: the strategy refuses the recipe, or a bad GPU name or memory size.
     """
-    from lightning_hybrid.dryrun.rank import run_rank
-
     start = time.perf_counter()
     usable = usable_bytes(gpu, device_memory_gib)
     options, dims, config, spec = _check(job)
@@ -116,8 +129,7 @@ def dry_run(job: DryRunJob, ranks: list[int], gpu: str, device_memory_gib: Optio
     reports = []
     traced = traced_microbatches(options, dims)
     traced_job = job.with_microbatches(traced) if dims.pp > 1 else job
-    for role in roles:
-        result = run_rank(traced_job, role.traced_rank)
+    for role, result in zip(roles, trace_ranks(traced_job, [role.traced_rank for role in roles])):
         prediction = predict(job, config, dims, options, result, gpu, usable)
         report = _role_report(job, role, result, prediction)
         report["ranks"] = sorted(wanted & set(role.ranks))
