@@ -76,13 +76,18 @@ def _check(job: DryRunJob) -> tuple[Any, Any, Any, Any]:
 
 
 def traced_microbatches(options: Any, dims: Any) -> int:
-    """Micro-batches a dry run traces: all of them up to ``2 x pp x virtual_stages``, else that many of the same
-    size. A 1F1B rank holds at most ``pp - rank`` micro-batches' activations and an interleaved one fewer than
-    ``2 x pp x v`` at its peak, so the traced peaks are the full step's; the collectives listed are those of the
-    traced micro-batches."""
-    if dims.pp == 1:
-        return 1
-    return min(options.num_microbatches, 2 * dims.pp * options.virtual_stages)
+    """Micro-batches a dry run traces, of the recipe's size: as many as the schedule holds at once at its peak.
+
+    A 1F1B rank holds at most ``pp - rank`` micro-batches' activations, so ``pp`` of them (the least 1F1B runs)
+    reach every rank's peak; an interleaved or zero-bubble rank fewer than ``2 x pp x v``; GPipe holds all of them.
+    The traced peaks are the full step's; the collectives listed are those of the traced micro-batches.
+    """
+    m = options.num_microbatches
+    if dims.pp == 1 or options.pp_schedule == "gpipe":
+        return m if dims.pp > 1 else 1
+    if options.pp_schedule == "1f1b":
+        return min(m, dims.pp)
+    return min(m, 2 * dims.pp * options.virtual_stages)
 
 
 def trace_ranks(job: DryRunJob, ranks: list[int]) -> list[Any]:
