@@ -81,6 +81,17 @@ def test_bad_arguments_are_one_line_errors(tmp_path) -> None:
     assert main(["dry-run", "--config", str(bad)]) == 2
 
 
+def test_a_rank_that_does_not_fit_is_named_with_its_coordinates_and_breakdown(capsys) -> None:
+    from lightning_hybrid.cli import main
+
+    # 1 GiB less the planner's 4 GB framework reserve leaves nothing: the traced rank cannot fit.
+    assert main(["dry-run", "--config", str(TINY), "--ranks", "2", "--device-memory-gib", "1"]) == 1
+    out = capsys.readouterr()
+    assert "DOES NOT FIT" in out.out and "collectives of one step" in out.out
+    line = next(x for x in out.err.splitlines() if "does not fit" in x)
+    assert "rank 2 (pp=0, dp=1, tp=0; traced as rank 0" in line and "activation" in line and "usable 0.0 GB" in line
+
+
 def _dry_run(args: list[str], timeout: float) -> subprocess.CompletedProcess:
     code = ("import resource, sys; from lightning_hybrid.cli import main; rc = main(sys.argv[1:]); "
             "print('MAXRSS_KB', max(resource.getrusage(w).ru_maxrss for w in "
@@ -113,4 +124,4 @@ def test_72b_recipe_without_model_parallelism_does_not_fit_an_h100(tmp_path) -> 
     result = _dry_run(["--config", str(path), "--ranks", "0", "--gpu", "h100"], timeout=3000)
     assert result.returncode == 1, result.stderr[-3000:]
     line = next(x for x in result.stderr.splitlines() if "does not fit" in x)
-    assert "rank 0 (pp=0, dp=0, tp=0" in line and "activation" in line and "usable" in line
+    assert "rank 0 (pp=0, dp=0, tp=0;" in line and "activation" in line and "usable" in line

@@ -138,6 +138,7 @@ def dry_run(job: DryRunJob, ranks: list[int], gpu: str, device_memory_gib: Optio
         prediction = predict(job, config, dims, options, result, gpu, usable)
         report = _role_report(job, role, result, prediction)
         report["ranks"] = sorted(wanted & set(role.ranks))
+        report["rank_coordinates"] = [[rank, dims.coordinates(rank)] for rank in report["ranks"]]
         reports.append(report)
     return {"recipe": job.name, "world_size": job.world_size, "layout": {"tp": dims.tp, "pp": dims.pp, "dp": dims.dp},
             "microbatches": options.num_microbatches if dims.pp > 1 else 1, "traced_microbatches": traced,
@@ -185,10 +186,11 @@ def _not_fitting(report: dict[str, Any]) -> list[str]:
     for r in report["roles"]:
         if r["fits"]:
             continue
-        c, b = r["coordinates"], r["peak_breakdown"]
+        rank, c = r["rank_coordinates"][0]
+        b = r["peak_breakdown"]
         parts = ", ".join(f"{k.lower()} {v / 1e9:.1f}" for k, v in b.items() if k != "Total" and v)
-        out.append(f"rank {r['traced_rank']} (pp={c['pp']}, dp={c['dp']}, tp={c['tp']}; same role: "
-                   f"{_ranks_text(r['ranks'])}) does not fit: peak {r['traced']['total'] / 1e9:.1f} GB > usable "
+        out.append(f"rank {rank} (pp={c['pp']}, dp={c['dp']}, tp={c['tp']}; traced as rank {r['traced_rank']}, same "
+                   f"role: {_ranks_text(r['ranks'])}) does not fit: peak {r['traced']['total'] / 1e9:.1f} GB > usable "
                    f"{report['usable_bytes'] / 1e9:.1f} GB on {report['gpu']} (GB at the peak: {parts})")
     return out
 
