@@ -110,7 +110,9 @@ def test_72b_recipe_dry_runs_fit_and_match_the_planner(recipe) -> None:
     for role in report["roles"]:
         for figure in ("parameters", "gradients", "optimizer"):
             assert role["traced"][figure] == role["planner"][figure], (recipe, role["ranks"], figure)
-        assert abs(role["ratio"]["activations"] - 1) <= 0.2, (recipe, role["ranks"], role["ratio"])
+        # MemTracker's "activations" include FSDP2's gathered parameters, which the planner lists apart: everything
+        # but the model state is held against the planner's stated 20% tolerance.
+        assert abs(role["ratio"]["transient"] - 1) <= 0.2, (recipe, role["ranks"], role["ratio"])
     rss_gb = int(result.stderr.split("MAXRSS_KB")[-1].split()[0]) * 1024 / 1e9
     assert rss_gb < 4, f"peak RSS {rss_gb:.1f} GB: something allocated real memory for weights"
 

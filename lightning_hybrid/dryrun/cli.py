@@ -110,7 +110,9 @@ def _ratio(traced: float, planned: float) -> Optional[float]:
 
 
 def _role_report(job: DryRunJob, role: Role, result: Any, prediction: Any) -> dict[str, Any]:
-    traced = {**result.state, "activations": result.activation_peak, "total": result.total_peak}
+    state = result.state["parameters"] + result.state["gradients"] + result.state["optimizer"]
+    traced = {**result.state, "activations": result.activation_peak, "transient": result.total_peak - state,
+              "total": result.total_peak}
     planner = {name: prediction.figures[name] for name in FIGURES}
     return {"ranks": list(role.ranks), "traced_rank": role.traced_rank, "coordinates": result.coordinates,
             "stages": list(role.stages), "traced": traced, "planner": planner,

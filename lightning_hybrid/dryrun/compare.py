@@ -10,8 +10,10 @@ from lightning_hybrid.dryrun.recipe import DryRunJob
 
 __all__ = ["Prediction", "predict", "usable_bytes", "FIGURES"]
 
-# The figures a report shows, traced beside the planner's.
-FIGURES = ("parameters", "gradients", "optimizer", "activations", "total")
+# The figures a report shows, traced beside the planner's. "activations" is MemTracker's kind: every tensor made in
+# the forward and kept, FSDP2's gathered parameters and autocast's weight copies included, which the planner lists
+# apart (fsdp_buffers, autocast_copies); "transient" is everything but the model state, on both sides.
+FIGURES = ("parameters", "gradients", "optimizer", "activations", "transient", "total")
 
 
 @dataclass
@@ -73,5 +75,6 @@ def predict(job: DryRunJob, config: Any, dims: Any, options: Any, result: RankRe
     memory = rank_memory_breakdown(problem, _layout(job, dims, options), c["pp"])
     figures = {"parameters": state["param_bytes"], "gradients": state["grad_bytes"],
                "optimizer": state["optimizer_bytes"], "activations": memory["activations"],
-               "total": memory["total"]}
+               "total": memory["total"],
+               "transient": memory["total"] - memory["weights"] - memory["gradients"] - memory["optimizer"]}
     return Prediction(figures, usable)
