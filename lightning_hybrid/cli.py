@@ -24,6 +24,7 @@ TOOLS: dict[str, tuple[str, str]] = {
                   "measure link bandwidth per mesh dimension (torchrun)"),
     "prepare-data": ("lightning_hybrid.data.prepare:prepare_main", "tokenize text/JSONL into a packed token file"),
     "export-hf": ("lightning_hybrid.checkpoint.export:export_main", "write a Hugging Face folder from a checkpoint"),
+    "dry-run": ("lightning_hybrid.dryrun.cli:dry_run_main", "build every rank of a recipe and trace a step on one CPU"),
 }
 LIGHTNING_SUBCOMMANDS = {
     "fit": "train (and validate) a model",

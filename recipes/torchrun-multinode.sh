@@ -4,7 +4,7 @@
 #   # on each of the 16 nodes (NODE_RANK 0..15), with node 0's address as MASTER_ADDR:
 #   NNODES=16 NODE_RANK=3 MASTER_ADDR=10.0.0.1 bash recipes/torchrun-multinode.sh recipes/qwen2.5-72b-pretrain.yaml
 #
-# What it does on each node: the network preflight on the training mesh (all nodes together), then
+# What it does on each node: a dry run of the node's ranks on one CPU (`lightning-hybrid dry-run`), the network preflight on the training mesh (all nodes together), then
 # `lightning-hybrid fit` under torchrun's elastic agent:
 #   * a training process that crashes (or a lost NCCL peer that times out) makes every agent stop its workers and
 #     start them again, up to MAX_RESTARTS times, through a new rendezvous; `fit` resumes from the newest valid
@@ -69,6 +69,14 @@ torchrun_args() {  # torchrun_args PORT [MIN_NODES]: a fixed number of nodes, or
 mkdir -p "$RUN_DIR"
 cd "$RUN_DIR"
 echo "node $NODE_RANK of $NNODES: $RECIPE, rendezvous $MASTER_ADDR:$MASTER_PORT, run dir $RUN_DIR"
+
+# ---- 0. dry run of this node's ranks on one CPU (fake process group, no GPU memory): a recipe that cannot build or
+# does not fit fails here in minutes, on every node, before any rendezvous. DRY_RUN=0 skips it.
+if [ "${DRY_RUN:-1}" = "1" ]; then
+    FIRST_RANK=$((NODE_RANK * GPUS_PER_NODE))
+    NODE_RANKS=$(seq -s, "$FIRST_RANK" "$((FIRST_RANK + GPUS_PER_NODE - 1))")
+    lightning-hybrid dry-run --config "$RECIPE" --ranks "$NODE_RANKS" --gpu "$GPU" > "dry-run-node$NODE_RANK.txt"
+fi
 
 # ---- 1. preflight on the training mesh: exits non-zero naming the host, GPU and link below 80% of expected
 # shellcheck disable=SC2046  # word splitting of torchrun_args is intended

@@ -376,6 +376,24 @@ def test_sbatch_requeues_itself_when_training_stops_after_the_preemption_checkpo
     assert result.returncode == 75
 
 
+def test_sbatch_dry_runs_the_recipe_on_one_cpu_first_and_stops_when_it_fails(tmp_path):
+    for status in (0, 1):
+        calls = tmp_path / f"calls{status}.log"
+        bin_dir = _fake_bin(tmp_path, {
+            "scontrol": 'if [ "$1" = show ]; then printf "gpu-node-001\\n"; fi',
+            "srun": 'while [[ "$1" == --* ]]; do shift; done; exec "$@"', "torchrun": "exit 0",
+            "lightning-hybrid": f"exit {status}"})
+        env = {**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}", "CALLS": str(calls), "SLURM_JOB_ID": "7",
+               "SLURM_JOB_NODELIST": "gpu-node-[001-016]", "SLURM_JOB_NUM_NODES": "16", "SLURM_SUBMIT_DIR": str(REPO),
+               "SLURM_RESTART_COUNT": "0", "RUN_DIR": str(tmp_path / "run")}
+        result = subprocess.run(["bash", str(SBATCH)], env=env, capture_output=True, text=True, timeout=60)
+        lines = calls.read_text().splitlines()
+        assert lines[1].startswith("srun --nodes=1 --ntasks=1 ") and lines[2].startswith(
+            "lightning-hybrid dry-run --config ") and "--ranks all" in lines[2], lines
+        assert result.returncode == status and any(" fit " in c for c in lines) == (status == 0)
+        assert ("dry run failed" in result.stdout) == (status == 1)
+
+
 def test_sbatch_stops_without_training_when_the_preflight_fails(tmp_path):
     result, calls = _run_sbatch(tmp_path, fit_status=0, preflight_status=1)
     assert result.returncode == 1
@@ -385,14 +403,19 @@ def test_sbatch_stops_without_training_when_the_preflight_fails(tmp_path):
 
 def test_multinode_torchrun_script_runs_preflight_then_fit_with_elastic_restarts(tmp_path):
     calls = tmp_path / "calls.log"
-    bin_dir = _fake_bin(tmp_path, {"torchrun": 'case "$*" in *" preflight "*) echo "{}";; esac; exit 0'})
+    bin_dir = _fake_bin(tmp_path, {"torchrun": 'case "$*" in *" preflight "*) echo "{}";; esac; exit 0',
+                                   "lightning-hybrid": "exit 0"})
     base = {**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}", "CALLS": str(calls), "NNODES": "16",
             "MASTER_ADDR": "10.0.0.1", "MASTER_PORT": "29500", "RUN_DIR": str(tmp_path / "run")}
     for rank in ("0", "5"):
         result = subprocess.run(["bash", str(MULTINODE), str(REPO / "recipes" / "qwen2.5-72b-pretrain.yaml")],
                                 env={**base, "NODE_RANK": rank}, capture_output=True, text=True, timeout=60)
         assert result.returncode == 0, result.stdout + result.stderr
-    runs = calls.read_text().splitlines()
+    lines = calls.read_text().splitlines()
+    dry_runs = [c for c in lines if c.startswith("lightning-hybrid dry-run")]
+    assert [c.split("--ranks ")[1].split()[0] for c in dry_runs] == ["0,1,2,3,4,5,6,7", "40,41,42,43,44,45,46,47"]
+    assert lines[0] == dry_runs[0] and lines[3] == dry_runs[1]  # each node: the dry run before any torchrun
+    runs = [c for c in lines if c.startswith("torchrun ")]
     assert len(runs) == 4
     for i, run in enumerate(runs):
         assert "--nnodes 16 --nproc_per_node 8 --rdzv_backend c10d" in run

@@ -22,6 +22,18 @@ Wrappers (in ``lightning_hybrid.distributed``) and the private APIs they use:
 - ``lightning_hybrid.planner.auto_setup._data``: Lightning's ``trainer.fit_loop._data_source.instance`` (the
   DataLoader given to ``fit``, before Lightning sets it up), read by the auto layout.
 
+Wrappers in ``lightning_hybrid.dryrun`` (the dry run on the fake process group):
+
+- ``fake.DryRunTensorMode``: ``torch._subclasses.fake_tensor.FakeTensorMode`` (``allow_non_fake_inputs``),
+  ``FakeTensor`` and ``unset_fake_temporarily``;
+- ``fake.fake_world``: ``torch.testing._internal.distributed.fake_pg.FakeStore`` and the ``"fake"`` backend;
+- ``accounting.MemoryPeaks``: ``torch.distributed._tools.mem_tracker.MemTracker`` and its ``_update_snap``,
+  ``_curr_mem_snap``, ``_in_opt``, ``_in_ac``, ``_ac_mod``, ``_mod_tracker``, ``_track_module_params_and_buffers``
+  and the four module hooks it overrides;
+- ``accounting._group_of``: ``torch._C._distributed_c10d.ProcessGroup.unbox`` and ``_resolve_process_group``;
+- ``rank._static_stages``: ``torch.distributed.pipelining._utils._StageMeta`` and ``extract_tensor_metas``, and a
+  ``PipelineStage``'s ``_user_meta``, ``_warmup_forward_vote`` and ``_warmup_backward_result``.
+
 All single-process: the pipeline schedules are built over stand-in stages, the clipping runs without a process
 group, and the DeviceMesh tests use a one-process gloo group on 127.0.0.1 (destroyed after each test).
 """
@@ -369,3 +381,83 @@ def test_fit_loop_data_source_holds_the_dataloader_given_to_fit():
     module = lightning.LightningModule()
     trainer._data_connector.attach_data(module, train_dataloaders=loader)
     assert _data(trainer) == (None, loader), f"{AUTO_DATA}: Lightning moved fit_loop._data_source.instance"
+
+
+DRY_MODE = "lightning_hybrid.dryrun.fake.DryRunTensorMode"
+FAKE_WORLD = "lightning_hybrid.dryrun.fake.fake_world"
+MEMORY_PEAKS = "lightning_hybrid.dryrun.accounting.MemoryPeaks"
+GROUP_OF = "lightning_hybrid.dryrun.accounting._group_of"
+STATIC_STAGES = "lightning_hybrid.dryrun.rank._static_stages"
+
+
+def test_dry_run_tensor_mode_keeps_real_index_math_and_fakes_the_rest():
+    for name in ("FakeTensorMode", "FakeTensor", "unset_fake_temporarily"):
+        private("torch._subclasses.fake_tensor", name, DRY_MODE)
+    mode_class = wrapper_function(DRY_MODE)
+    index = torch.arange(8).reshape(2, 4)
+    with blame(DRY_MODE), mode_class():
+        big = torch.empty(1 << 30, dtype=torch.float32)  # 4 GiB: only a fake tensor can hold it here
+        ranks = (index == 5).nonzero().tolist()  # DeviceMesh's coordinate lookup, on a real tensor
+        flag = torch.ones(1, dtype=torch.int32)
+        assert int(flag.item()) == 1
+    from torch._subclasses.fake_tensor import FakeTensor
+
+    assert isinstance(big, FakeTensor) and ranks == [[1, 1]]
+
+
+def test_fake_world_builds_a_large_mesh_and_returns_collectives_at_once():
+    private("torch.testing._internal.distributed.fake_pg", "FakeStore", FAKE_WORLD)
+    fake_world = wrapper_function(FAKE_WORLD)
+    from torch.distributed.device_mesh import init_device_mesh
+
+    with blame(FAKE_WORLD), fake_world(93, 128):
+        mesh = init_device_mesh("cpu", (2, 8, 8), mesh_dim_names=("pp", "dp", "tp"))
+        x = torch.ones(4)
+        dist.all_reduce(x, group=mesh["dp"].get_group())
+        assert list(mesh.get_coordinate()) == [1, 3, 5] and torch.equal(x, torch.ones(4))
+    assert not dist.is_initialized()
+
+
+def test_memory_peaks_uses_mem_tracker_internals():
+    tracker_class = private("torch.distributed._tools.mem_tracker", "MemTracker", MEMORY_PEAKS)
+    for name in ("_update_snap", "_track_module_params_and_buffers", "_pre_fw_hook", "_post_fw_hook",
+                 "_pre_bw_hook", "_post_bw_hook"):
+        assert hasattr(tracker_class, name), broken(MEMORY_PEAKS, f"MemTracker.{name} is gone")
+    peaks = wrapper_function(MEMORY_PEAKS)()
+    for name in ("_curr_mem_snap", "_in_opt", "_in_ac", "_ac_mod", "_mod_tracker"):
+        assert hasattr(peaks, name), broken(MEMORY_PEAKS, f"MemTracker().{name} is gone")
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 8))
+    model(torch.ones(2, 8))  # a module called twice in one step (pipeline micro-batches) must be accepted
+    with blame(MEMORY_PEAKS), peaks:
+        for _ in range(2):
+            model(torch.ones(4, 8)).sum().backward()
+    assert peaks.kind_peaks["Activation"] >= 4 * 8 * 4 and peaks.peak_breakdown()["Total"] > 0
+
+
+def test_group_of_resolves_process_groups_of_collectives(gloo_world):
+    from torch._C import _distributed_c10d as c10d
+
+    for name in ("ProcessGroup", "_resolve_process_group"):
+        assert hasattr(c10d, name), broken(GROUP_OF, f"torch._C._distributed_c10d.{name} is gone")
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from lightning_hybrid.dryrun.accounting import CollectiveCounter, mesh_dimension_groups
+
+    mesh = init_device_mesh("cpu", (1,), mesh_dim_names=("dp",))
+    counter = CollectiveCounter(mesh_dimension_groups(mesh, 1))
+    with blame(GROUP_OF), counter:
+        dist.all_reduce(torch.ones(3), group=mesh["dp"].get_group())
+    assert counter.table() == {"world": {"all_reduce": [1, 12]}}, broken(GROUP_OF, str(counter.table()))
+
+
+def test_static_stages_use_pipelining_metadata():
+    from torch.distributed.pipelining import stage as stage_module
+
+    meta_class = private("torch.distributed.pipelining._utils", "_StageMeta", STATIC_STAGES)
+    extract = private("torch.distributed.pipelining._utils", "extract_tensor_metas", STATIC_STAGES)
+    takes(meta_class, ["inputs", "outputs", "input_grads", "output_grads"], STATIC_STAGES)
+    for name in ("_warmup_forward_vote", "_warmup_backward_result"):
+        assert hasattr(stage_module.PipelineStage, name), broken(STATIC_STAGES, f"PipelineStage.{name} is gone")
+    with blame(STATIC_STAGES):
+        metas = extract((torch.empty(2, 3, device="meta").requires_grad_(True),))
+    assert metas[0].shape == (2, 3) and metas[0].requires_grad

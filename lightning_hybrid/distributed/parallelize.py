@@ -23,6 +23,7 @@ from lightning_hybrid.distributed.activation_checkpoint import (
 )
 from lightning_hybrid.distributed.context_parallel import context_parallel_error, install_context_parallel
 from lightning_hybrid.distributed.data_parallel import DATA_PARALLEL_MODES, apply_fsdp
+from lightning_hybrid.distributed.materialize import materialize
 from lightning_hybrid.distributed.parallel_dims import ParallelDims, data_mesh
 from lightning_hybrid.distributed.pipeline.schedules import PP_SCHEDULES, default_microbatches, validate_schedule
 from lightning_hybrid.distributed.pipeline.split import plan_stages
@@ -291,5 +292,5 @@ def parallelize(module: nn.Module, spec: ParallelSpec, options: ParallelOptions,
         apply_fsdp(module, getattr(module, spec.blocks), data_mesh(mesh, dims),
                    param_dtype=options.param_dtype(precision), reduce_dtype=options.reduction_dtype(precision),
                    reshard_after_forward=reshard_after_forward)
-    module.to_empty(device=device)
+    materialize(module, device)
 

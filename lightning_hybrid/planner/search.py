@@ -45,7 +45,8 @@ from lightning_hybrid.planner.step_time import (
     gemm_efficiency,
 )
 
-__all__ = ["Layout", "Estimate", "estimate", "search", "explain", "rank_memory", "layout_reason"]
+__all__ = ["Layout", "Estimate", "estimate", "search", "explain", "rank_memory", "layout_reason",
+           "rank_memory_breakdown"]
 
 # (schedule, virtual stages) tried for pp > 1; pp == 1 uses ("none", 1).
 PIPELINE_SCHEDULES = (("1f1b", 1), ("interleaved_1f1b", 2), ("interleaved_1f1b", 4))
@@ -323,6 +324,12 @@ def _rank_memory_breakdown(problem: Problem, layout: Layout, shape: _LayoutShape
               "activations": held, "working": working, "fsdp_buffers": fsdp_buffers, "autocast_copies": autocast,
               "total": static + max(extra, optimizer_temp)}
     return memory, state
+
+
+def rank_memory_breakdown(problem: Problem, layout: Layout, pp_rank: int) -> dict[str, float]:
+    """The planner's memory breakdown (bytes) of pipeline rank ``pp_rank`` of ``layout``: weights, gradients,
+    optimizer, activations (held at the peak), working, fsdp_buffers, autocast_copies, total."""
+    return _rank_memory_breakdown(problem, layout, _layout_shape(problem, layout), pp_rank)[0]
 
 
 def _activation_bytes(problem: Problem) -> tuple[int, int]:

@@ -107,6 +107,52 @@ fig.tight_layout()
 plt.show()
 
 # %% [markdown]
+# ## The recipe's layout built for real: the dry run against the planner
+#
+# `lightning-hybrid dry-run` plays ranks of the 128-GPU job on one CPU: torch's fake process group stands in for
+# the other 127 processes and fake tensors for the weights, so the strategy's own code builds the rank (mesh, stage
+# split, TP plan, recompute, FSDP2, precision, AdamW) and runs one training step through the 1F1B schedule, while
+# torch's MemTracker counts every byte. One rank per pipeline stage stands for all 64 ranks of that stage (identical
+# by construction, see `lightning-hybrid dry-run --help`). The traced step takes minutes, so this cell reads the
+# report the command wrote:
+#
+#     lightning-hybrid dry-run --config recipes/qwen2.5-72b-pretrain.yaml --ranks all --json \
+#         > notebooks/data/dryrun-qwen2.5-72b-pretrain.json
+#
+# Left bar of each pair: what the traced rank held at its peak; right bar: the planner's prediction for that rank.
+
+# %%
+import json
+from pathlib import Path
+
+report_file = Path("data/dryrun-qwen2.5-72b-pretrain.json")
+report = json.loads(report_file.read_text())
+kinds = ["parameters", "gradients", "optimizer", "activations"]
+fig, ax = plt.subplots(figsize=(9, 4.5))
+for i, role in enumerate(report["roles"]):
+    for j, (source, color) in enumerate((("traced", "tab:blue"), ("planner", "tab:orange"))):
+        figures = role[source]
+        bottom = 0.0
+        for k, kind in enumerate(kinds + ["rest"]):
+            value = (figures["total"] - sum(figures[x] for x in kinds)) if kind == "rest" else figures[kind]
+            value = max(value, 0.0) / 1e9
+            ax.bar(2.5 * i + j, value, bottom=bottom, color=plt.cm.tab10(k), edgecolor=color, linewidth=2,
+                   label=kind if i == 0 and j == 0 else None)
+            bottom += value
+        ax.text(2.5 * i + j, bottom + 1, f"{source}\n{bottom:.0f} GB", ha="center", fontsize=8)
+ax.set_xticks([2.5 * i + 0.5 for i in range(len(report["roles"]))],
+              [f"stage {r['coordinates']['pp']} ({len(r['ranks'])} ranks)" for r in report["roles"]])
+ax.axhline(report["usable_bytes"] / 1e9, color="black", ls="--", label=f"usable on {report['gpu'].upper()}")
+ax.set_ylabel("GB per GPU")
+ax.set_title("Qwen2.5-72B recipe: dry run (traced) vs planner, per pipeline stage")
+ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.0, 1.0))
+fig.tight_layout()
+plt.show()
+for role in report["roles"]:
+    ratios = ", ".join(f"{k} {v:.3f}" for k, v in role["ratio"].items() if v is not None)
+    print(f"stage {role['coordinates']['pp']}: traced / planner: {ratios}")
+
+# %% [markdown]
 # ## MFU and step time across layouts
 #
 # The 15 fastest layouts that fit, and where the recipe's layout ranks. The stacked bars show where a step's time

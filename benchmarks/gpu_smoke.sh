@@ -1,0 +1,111 @@
+#!/bin/bash
+# GPU smoke test, for the day a GPU is available: one command, under 8 minutes on one H200.
+#
+#   bash benchmarks/gpu_smoke.sh                    # all four steps, results under gpu-smoke/
+#   bash benchmarks/gpu_smoke.sh --only mfu,ckpt    # some of them
+#   bash benchmarks/gpu_smoke.sh --print            # the commands it would run (works without a GPU)
+#
+# Steps (each under its own time limit; a failed step does not stop the others):
+#   mfu        benchmarks/mfu.py: the qwen2.5-1.5b preset at seq 4096 in bf16, one GPU (MFU against the GPU's peak)
+#   tiny-nccl  the tiny recipe on 1 GPU with the NCCL backend (tp=1), 30 optimizer steps
+#   preflight  `lightning-hybrid preflight` on 1 GPU with the NVML health check (temperatures, ECC, clocks, NVLinks)
+#   ckpt       the tiny recipe with FaultTolerantCheckpoint: 20 steps saving at 10 and 20, then a second run that
+#              resumes from step 20 and trains to 30 (a save and a load of a sharded checkpoint)
+# It prints one summary table (step, status, seconds, the step's figure) and writes each step's log to OUT/.
+#
+# Options: --out DIR (gpu-smoke), --gpu NAME of the hardware table for the preflight's expected figures (h200),
+# --only STEPS (comma-separated), --print (print the commands, run nothing), -h/--help.
+set -uo pipefail
+
+STEPS_ALL="mfu tiny-nccl preflight ckpt"
+OUT=gpu-smoke
+GPU=h200
+ONLY=""
+PRINT=0
+usage() { sed -n '2,20p' "$0" | sed 's/^# \{0,1\}//'; }
+while [ $# -gt 0 ]; do
+    case "$1" in
+        -h|--help) usage; exit 0 ;;
+        --out) [ $# -ge 2 ] || { echo "gpu_smoke.sh: --out needs a folder" >&2; exit 2; }; OUT=$2; shift 2 ;;
+        --gpu) [ $# -ge 2 ] || { echo "gpu_smoke.sh: --gpu needs a name (h100, h200, b200, b300)" >&2; exit 2; }
+               GPU=$2; shift 2 ;;
+        --only) [ $# -ge 2 ] || { echo "gpu_smoke.sh: --only needs steps from: $STEPS_ALL" >&2; exit 2; }
+                ONLY=$2; shift 2 ;;
+        --print) PRINT=1; shift ;;
+        *) echo "gpu_smoke.sh: unknown argument '$1'; see --help" >&2; exit 2 ;;
+    esac
+done
+STEPS=$STEPS_ALL
+if [ -n "$ONLY" ]; then
+    for step in ${ONLY//,/ }; do
+        case " $STEPS_ALL " in
+            *" $step "*) ;;
+            *) echo "gpu_smoke.sh: --only: unknown step '$step'; use some of: ${STEPS_ALL// /,}" >&2; exit 2 ;;
+        esac
+    done
+    STEPS=""
+    for step in $STEPS_ALL; do  # in the usual order
+        case ",$ONLY," in *",$step,"*) STEPS="$STEPS $step" ;; esac
+    done
+fi
+HERE=$(cd "$(dirname "$0")/.." && pwd)
+LH="lightning-hybrid"
+TINY="$HERE/recipes/tiny-cpu.yaml"
+ON_GPU=(--trainer.accelerator gpu --trainer.devices 1 --trainer.strategy.tp 1 --trainer.strategy.pp 1
+        --trainer.strategy.process_group_backend nccl --trainer.precision bf16-mixed --trainer.val_check_interval 10
+        --trainer.limit_val_batches 2 --trainer.enable_progress_bar false --trainer.logger.init_args.save_dir "$OUT")
+CKPT=(--trainer.callbacks+=lightning_hybrid.callbacks.FaultTolerantCheckpoint
+      --trainer.callbacks.dirpath "$OUT/ckpt" --trainer.callbacks.every_n_steps 10 --trainer.callbacks.async_save false)
+
+command_of() {  # the command line of one step, one word per line
+    case "$1" in
+        mfu) printf '%s\n' python "$HERE/benchmarks/mfu.py" --preset qwen2.5-1.5b --device cuda --seq-len 4096 \
+                 --dtype bf16 --batch-size 2 --steps 20 --warmup 3 ;;
+        tiny-nccl) printf '%s\n' torchrun --nproc_per_node 1 "$(command -v $LH || echo $LH)" fit --config "$TINY" \
+                       "${ON_GPU[@]}" --trainer.max_steps 30 ;;
+        preflight) printf '%s\n' torchrun --nproc_per_node 1 "$(command -v $LH || echo $LH)" preflight --gpu "$GPU" \
+                       --json ;;
+        ckpt) printf '%s\n' bash -c "set -e; for steps in 20 30; do torchrun --nproc_per_node 1 \
+$(command -v $LH || echo $LH) fit --config $TINY ${ON_GPU[*]} ${CKPT[*]} --trainer.max_steps \$steps; done; \
+ls $OUT/ckpt" ;;
+    esac
+}
+LIMITS="mfu=180 tiny-nccl=90 preflight=120 ckpt=150"  # seconds; 540 s in all, typically well under 8 minutes
+
+if [ "$PRINT" = 1 ]; then
+    for step in $STEPS; do
+        mapfile -t words < <(command_of "$step")
+        echo "$step: ${words[*]}"
+    done
+    exit 0
+fi
+if ! command -v nvidia-smi > /dev/null || ! nvidia-smi -L > /dev/null 2>&1; then
+    echo "gpu_smoke.sh: no NVIDIA GPU here (nvidia-smi -L failed); --print shows the commands" >&2
+    exit 3
+fi
+mkdir -p "$OUT"
+declare -A STATUS SECONDS_OF FIGURE
+for step in $STEPS; do
+    mapfile -t words < <(command_of "$step")
+    limit=$(echo "$LIMITS" | tr ' ' '\n' | sed -n "s/^$step=//p")
+    start=$(date +%s)
+    timeout "$limit" "${words[@]}" > "$OUT/$step.log" 2>&1
+    rc=$?
+    SECONDS_OF[$step]=$(( $(date +%s) - start ))
+    case $rc in 0) STATUS[$step]=ok ;; 124) STATUS[$step]="timeout ${limit}s" ;; *) STATUS[$step]="failed ($rc)" ;; esac
+    case "$step" in
+        mfu) FIGURE[$step]=$(grep -E '^\| (MFU|tokens/s)' "$OUT/$step.log" | tr -s ' ' | tr '\n' ' ') ;;
+        tiny-nccl) FIGURE[$step]=$(grep -oE 'throughput: [0-9,]+ tokens/s' "$OUT/$step.log" | tail -1) ;;
+        preflight) FIGURE[$step]=$(grep -oE '"(ok|passed)": *(true|false)' "$OUT/$step.log" | head -1) ;;
+        ckpt) FIGURE[$step]=$(grep -oE 'step-[0-9]+' "$OUT/$step.log" | sort -u | tr '\n' ' ') ;;
+    esac
+done
+printf '\n| %-10s | %-14s | %7s | %s\n' step status seconds figure
+printf '|%s|\n' "------------|----------------|---------|---------------------------------------------"
+failed=0
+for step in $STEPS; do
+    printf '| %-10s | %-14s | %7s | %s\n' "$step" "${STATUS[$step]}" "${SECONDS_OF[$step]}" "${FIGURE[$step]:-}"
+    [ "${STATUS[$step]}" = ok ] || failed=1
+done
+echo "logs: $OUT/<step>.log"
+exit $failed

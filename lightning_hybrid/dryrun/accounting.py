@@ -1,0 +1,205 @@
+"""What one rank holds and sends during a step: state bytes, memory peaks by kind, collectives per mesh dimension.
+
+The same code measures a real run and a dry run (real tensors or fake ones), so the two can be compared exactly:
+
+* :func:`state_bytes`: parameter, gradient and optimizer-state bytes of this rank's local tensors (a DTensor
+  counts its local shard).
+* :class:`MemoryPeaks`: torch's ``MemTracker`` (``torch.distributed._tools``), which follows every storage by
+  kind (parameter, gradient, activation, temporary, optimizer state) and works under fake tensors, extended to keep
+  each kind's own peak over the step beside the breakdown at the moment of the total peak.
+* :class:`CollectiveCounter`: a dispatch mode that sees every collective (c10d and functional ones, DTensor's and
+  FSDP2's included) and files it under the mesh dimension whose process group it used, by the group's ranks.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import weakref
+from collections import defaultdict
+from typing import Any, Iterable, Iterator, Optional
+
+import torch
+from torch import nn
+from torch.distributed._tools.mem_tracker import MemTracker
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
+
+__all__ = ["state_bytes", "MemoryPeaks", "CollectiveCounter", "mesh_dimension_groups", "COLLECTIVE_NAMESPACES"]
+
+COLLECTIVE_NAMESPACES = ("c10d", "_c10d_functional", "_c10d_functional_autograd", "_dtensor")
+_NOT_COUNTED = ("wait_tensor", "barrier", "monitored_barrier_")
+_KINDS = (("reduce_scatter", "reduce_scatter"), ("allreduce", "all_reduce"), ("all_reduce", "all_reduce"),
+          ("allgather", "all_gather"), ("all_gather", "all_gather"), ("broadcast", "broadcast"),
+          ("alltoall", "all_to_all"), ("all_to_all", "all_to_all"), ("isend", "send"), ("irecv", "recv"),
+          ("send", "send"), ("recv", "recv"), ("batch_p2p", "p2p"), ("reduce", "reduce"), ("gather", "gather"),
+          ("scatter", "scatter"))
+
+
+def _local(tensor: torch.Tensor) -> torch.Tensor:
+    from torch.distributed.tensor import DTensor
+
+    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
+
+
+def _nbytes(tensor: torch.Tensor) -> int:
+    local = _local(tensor)
+    return local.numel() * local.element_size()
+
+
+def state_bytes(module: nn.Module, optimizers: Iterable[torch.optim.Optimizer] = ()) -> dict[str, int]:
+    """``{"parameters", "gradients", "optimizer"}``: bytes of this rank's local parameters, their gradients (those
+    present now) and the optimizers' state tensors (AdamW's ``step`` scalars included)."""
+    params = list(module.parameters())
+    result = {"parameters": sum(_nbytes(p) for p in params),
+              "gradients": sum(_nbytes(p.grad) for p in params if p.grad is not None), "optimizer": 0}
+    for optimizer in optimizers:
+        for state in optimizer.state.values():
+            result["optimizer"] += sum(_nbytes(v) for v in state.values() if isinstance(v, torch.Tensor))
+    return result
+
+
+class MemoryPeaks(MemTracker):
+    """torch's ``MemTracker``, also keeping the peak of each kind of memory on its own (``kind_peaks``).
+
+    ``MemTracker`` alone reports the breakdown at the moment of the total peak; the activation peak of a pipeline
+    rank may come at another moment than its total peak (the optimizer step), so each kind's own maximum is kept.
+    """
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.kind_peaks: dict[str, int] = defaultdict(int)
+        self._seen: weakref.WeakSet = weakref.WeakSet()
+
+    def _update_snap(self, *args: Any, **kwargs: Any) -> None:  # type: ignore[override]
+        super()._update_snap(*args, **kwargs)
+        for snap in self._curr_mem_snap.values():
+            for kind, value in snap.items():
+                key = getattr(kind, "value", kind)
+                if value > self.kind_peaks[key]:
+                    self.kind_peaks[key] = value
+
+    # ``MemTracker``'s own module hooks keep per-module snapshots and refuse a module that runs twice in a step
+    # (every pipeline micro-batch does); only the recompute region they mark is needed here.
+    def _pre_fw_hook(self, module: nn.Module, inputs: Any) -> None:
+        if self._mod_tracker.is_bw:
+            if self._ac_mod is None:
+                self._ac_mod, self._in_ac = weakref.ref(module), True
+        elif module not in self._seen:
+            self._seen.add(module)
+            self._track_module_params_and_buffers(module, install_grad_hooks=True)
+
+    def _post_fw_hook(self, module: nn.Module, inputs: Any, outputs: Any) -> None:
+        if self._mod_tracker.is_bw and self._ac_mod is not None and self._ac_mod() is module:
+            self._ac_mod, self._in_ac = None, False
+
+    def _pre_bw_hook(self, module: nn.Module, args: Any) -> None:
+        pass
+
+    def _post_bw_hook(self, module: nn.Module, args: Any) -> None:
+        pass
+
+    @contextlib.contextmanager
+    def outside_optimizer(self) -> Iterator[None]:
+        """Count what is allocated in the block by its own kind even inside ``optimizer.step``: Lightning runs the
+        forward and backward in the closure that the optimizer step calls, which ``MemTracker`` would file as
+        optimizer state."""
+        saved, self._in_opt = self._in_opt, False
+        try:
+            yield
+        finally:
+            self._in_opt = saved
+
+    def peak_breakdown(self) -> dict[str, int]:
+        """Bytes by kind at the moment of the total peak (``"Total"`` included), summed over devices."""
+        out: dict[str, int] = defaultdict(int)
+        for snap in self.get_tracker_snapshot("peak").values():
+            for kind, value in snap.items():
+                out[getattr(kind, "value", kind)] += value
+        return dict(out)
+
+
+def mesh_dimension_groups(mesh: Any, world_size: int) -> dict[tuple[int, ...], str]:
+    """This rank's process groups by their global ranks -> the mesh dimension name (``"world"`` for all ranks).
+
+    Any mesh works (``("pp", "dp", "tp")`` today, more dimensions later): a group is named by the dimension whose
+    ranks it spans.
+    """
+    import torch.distributed as dist
+
+    names: dict[tuple[int, ...], str] = {tuple(range(world_size)): "world"}
+    for name in mesh.mesh_dim_names or ():
+        ranks = tuple(sorted(dist.get_process_group_ranks(mesh[name].get_group())))
+        names.setdefault(ranks, name)
+    return names
+
+
+def _kind(op_name: str) -> Optional[str]:
+    """The collective an operator performs, or ``None`` for a helper of those namespaces (``wait_tensor``,
+    ``_wrap_tensor_autograd``, barriers)."""
+    if op_name in _NOT_COUNTED or op_name.startswith("_wrap"):
+        return None
+    for key, kind in _KINDS:
+        if key in op_name:
+            return kind
+    return None
+
+
+def _group_of(args: Iterable[Any]) -> Optional[Any]:
+    from torch._C._distributed_c10d import ProcessGroup, _resolve_process_group
+
+    for arg in args:
+        if isinstance(arg, ProcessGroup):
+            return arg
+        if isinstance(arg, torch.ScriptObject):
+            try:
+                return ProcessGroup.unbox(arg)
+            except RuntimeError:
+                continue
+        if isinstance(arg, str):
+            try:
+                return _resolve_process_group(arg)
+            except (RuntimeError, ValueError):
+                continue
+    return None
+
+
+class CollectiveCounter(TorchDispatchMode):
+    """Counts collectives by (mesh dimension, kind): ``counts[dim][kind] = [calls, bytes]``.
+
+    The bytes of a call are its largest buffer: the gathered output of an all-gather, the input of a
+    reduce-scatter, the tensor of an all-reduce, broadcast, send or receive (lists summed).
+
+    Args:
+        groups: :func:`mesh_dimension_groups` of this rank; a group not in it is named ``"group(r0,r1,...)"``.
+    """
+
+    def __init__(self, groups: dict[tuple[int, ...], str]) -> None:
+        super().__init__()
+        self.groups = groups
+        self.counts: dict[str, dict[str, list[int]]] = defaultdict(lambda: defaultdict(lambda: [0, 0]))
+
+    def _dimension(self, args: tuple) -> str:
+        import torch.distributed as dist
+
+        group = _group_of(args)
+        if group is None:
+            return "unknown"
+        ranks = tuple(sorted(dist.get_process_group_ranks(group)))
+        return self.groups.get(ranks, "group(" + ",".join(map(str, ranks)) + ")")
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: Any = None) -> Any:
+        kwargs = kwargs or {}
+        result = func(*args, **kwargs)
+        namespace, name = func.namespace, func._schema.name.split("::")[-1]
+        kind = _kind(name) if namespace in COLLECTIVE_NAMESPACES else None
+        if kind is not None:
+            sizes = [sum(_nbytes(t) for t in tree_leaves(a) if isinstance(t, torch.Tensor)) for a in args]
+            sizes.append(sum(_nbytes(t) for t in tree_leaves(result) if isinstance(t, torch.Tensor)))
+            entry = self.counts[self._dimension(args)][kind]
+            entry[0] += 1
+            entry[1] += max(sizes)
+        return result
+
+    def table(self) -> dict[str, dict[str, list[int]]]:
+        """``{dim: {kind: [calls, bytes]}}`` as plain dicts, sorted."""
+        return {dim: {kind: list(v) for kind, v in sorted(kinds.items())} for dim, kinds in sorted(self.counts.items())}

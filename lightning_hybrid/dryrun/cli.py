@@ -1,0 +1,215 @@
+"""``lightning-hybrid dry-run``: every rank of a recipe built and a step traced on one CPU, against the planner."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from typing import Any, Optional
+
+from lightning_hybrid.dryrun.compare import FIGURES, predict, usable_bytes
+from lightning_hybrid.dryrun.recipe import DryRunJob, load_job
+from lightning_hybrid.dryrun.roles import Role, parse_ranks, rank_roles
+
+__all__ = ["build_parser", "dry_run_main", "dry_run", "EXIT_DOES_NOT_FIT"]
+
+EXIT_DOES_NOT_FIT = 1
+
+DESCRIPTION = """\
+Build chosen ranks of a training recipe and trace one training step on one CPU, without GPUs and without memory
+for the weights, then hold each rank's bytes against the planner.
+
+Each chosen rank joins torch's fake process group as that rank of the recipe's world (num_nodes x devices) and runs
+the strategy's own code: argument and size validation, the (pp, dp, tp) mesh, the pipeline split, the TP plan,
+recompute and compile flags, FSDP2 wrapping, precision, materialization and initialization (on fake tensors: shapes,
+no memory), the optimizer and LR schedule; then one optimizer step as Lightning runs it (training_step with the
+pipeline schedule and all its micro-batches, backward, gradient clipping, AdamW). Pipeline stages are given their
+shapes, since torch's shape exchange carries nothing on the fake backend. It reports per rank: parameter, gradient
+and optimizer-state bytes; the activation peak and the total peak traced by torch's MemTracker; the collectives per
+mesh dimension (calls and bytes); and beside each figure the planner's prediction and the ratio.
+
+Roles: ranks with the same pipeline coordinate (the same stages, blocks, embedding or head, the same place in the
+schedule) and the same local shard shapes run the same operations on the same shapes and issue the same collectives
+on their own groups: they are identical by construction. TP shards are equal on every tp coordinate (sizes that do
+not divide are refused); FSDP2's dim-0 chunks may leave the last dp coordinates fewer rows, which makes them a role of
+their own. `--ranks all` traces one rank per role and reports it for every rank of that role (for Qwen2.5-72B at
+tp=8, pp=2, dp=8: 2 roles for 128 ranks).
+
+Exit status: 0 when every chosen rank fits; 1 when one does not (named on stderr with its mesh coordinates and its
+breakdown); 2 for a bad argument or a recipe the strategy refuses."""
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The ``dry-run`` flags."""
+    p = argparse.ArgumentParser(prog="lightning-hybrid dry-run", description=DESCRIPTION,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--config", required=True, help="a `lightning-hybrid fit` recipe (YAML)")
+    p.add_argument("--ranks", default="all", help="'all' (one trace per role) or ranks, e.g. 0,93,127 (all)")
+    p.add_argument("--json", action="store_true", help="print one JSON document instead of the tables")
+    p.add_argument("--gpu", default=None,
+                   help="GPU of the hardware table whose memory a rank must fit (default: the recipe's `# plan:` "
+                        "line's --gpu, else h100)")
+    p.add_argument("--device-memory-gib", type=float, default=None,
+                   help="device memory in GiB instead of the GPU table's (the planner's reserve still applies)")
+    return p
+
+
+def _check(job: DryRunJob) -> tuple[Any, Any, Any, Any]:
+    """(options, dims, model config, spec): the strategy's own checks, before any process group exists.
+
+    Raises:
+        ValueError: the strategy's one-line message.
+    """
+    from lightning_hybrid.distributed.parallelize import ParallelOptions, check_options
+    from lightning_hybrid.distributed.pipeline.schedules import check_batch_splits
+    from lightning_hybrid.models.qwen2.config import Qwen2Config, parallel_spec
+
+    options = ParallelOptions(**job.strategy)
+    config = Qwen2Config.resolve(job.model.get("model", "tiny"))
+    spec = parallel_spec(config)
+    dims = check_options(options, job.world_size, job.devices_per_node if job.num_nodes > 1 else None, spec,
+                         config.num_hidden_layers, job.precision, "CausalLM")
+    if options.pp > 1:
+        check_batch_splits(job.batch_size, options.num_microbatches)
+    return options, dims, config, spec
+
+
+def traced_microbatches(options: Any, dims: Any) -> int:
+    """Micro-batches a dry run traces, of the recipe's size: as many as the schedule holds at once at its peak.
+
+    A 1F1B rank holds at most ``pp - rank`` micro-batches' activations, so ``pp`` of them (the least 1F1B runs)
+    reach every rank's peak; an interleaved or zero-bubble rank fewer than ``2 x pp x v``; GPipe holds all of them.
+    The traced peaks are the full step's; the collectives listed are those of the traced micro-batches.
+    """
+    m = options.num_microbatches
+    if dims.pp == 1 or options.pp_schedule == "gpipe":
+        return m if dims.pp > 1 else 1
+    if options.pp_schedule == "1f1b":
+        return min(m, dims.pp)
+    return min(m, 2 * dims.pp * options.virtual_stages)
+
+
+def trace_ranks(job: DryRunJob, ranks: list[int]) -> list[Any]:
+    """:func:`~lightning_hybrid.dryrun.rank.run_rank` for each rank, each in a fresh process (a process joins one
+    world: torch keeps process groups and meshes by name for the life of a process), several at once on a
+    machine with the cores for it."""
+    import multiprocessing
+    import os
+    from concurrent.futures import ProcessPoolExecutor
+
+    from lightning_hybrid.dryrun.rank import run_rank
+
+    workers = max(1, min(len(ranks), os.cpu_count() or 1))
+    with ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("spawn"), max_tasks_per_child=1) as pool:
+        return list(pool.map(run_rank, [job] * len(ranks), ranks))
+
+
+def _ratio(traced: float, planned: float) -> Optional[float]:
+    return traced / planned if planned else None
+
+
+def _role_report(job: DryRunJob, role: Role, result: Any, prediction: Any) -> dict[str, Any]:
+    state = result.state["parameters"] + result.state["gradients"] + result.state["optimizer"]
+    traced = {**result.state, "activations": result.activation_peak, "transient": result.total_peak - state,
+              "total": result.total_peak}
+    planner = {name: prediction.figures[name] for name in FIGURES}
+    return {"ranks": list(role.ranks), "traced_rank": role.traced_rank, "coordinates": result.coordinates,
+            "stages": list(role.stages), "traced": traced, "planner": planner,
+            "ratio": {k: _ratio(traced[k], planner[k]) for k in planner},
+            "peak_breakdown": result.peak, "kind_peaks": result.kind_peaks, "collectives": result.collectives,
+            "fits": result.total_peak <= prediction.usable, "seconds": round(result.seconds, 2)}
+
+
+def dry_run(job: DryRunJob, ranks: list[int], gpu: str, device_memory_gib: Optional[float] = None,
+            ) -> dict[str, Any]:
+    """Trace one rank per role among ``ranks`` and return the report (see ``--json``).
+
+    Raises:
+        ValueError: the strategy refuses the recipe, or a bad GPU name or memory size.
+    """
+    start = time.perf_counter()
+    usable = usable_bytes(gpu, device_memory_gib)
+    options, dims, config, spec = _check(job)
+    wanted = set(ranks)
+    roles = [r for r in rank_roles(config, spec, dims, options) if wanted & set(r.ranks)]
+    reports = []
+    traced = traced_microbatches(options, dims)
+    traced_job = job.with_microbatches(traced) if dims.pp > 1 else job
+    for role, result in zip(roles, trace_ranks(traced_job, [role.traced_rank for role in roles])):
+        prediction = predict(job, config, dims, options, result, gpu, usable)
+        report = _role_report(job, role, result, prediction)
+        report["ranks"] = sorted(wanted & set(role.ranks))
+        report["rank_coordinates"] = [[rank, dims.coordinates(rank)] for rank in report["ranks"]]
+        reports.append(report)
+    return {"recipe": job.name, "world_size": job.world_size, "layout": {"tp": dims.tp, "pp": dims.pp, "dp": dims.dp},
+            "microbatches": options.num_microbatches if dims.pp > 1 else 1, "traced_microbatches": traced,
+            "gpu": gpu, "usable_bytes": usable, "roles": reports, "fits": all(r["fits"] for r in reports),
+            "seconds": round(time.perf_counter() - start, 1)}
+
+
+def _gb(x: Optional[float]) -> str:
+    return "-" if x is None else f"{x / 1e9:.2f}"
+
+
+def _ranks_text(ranks: list[int]) -> str:
+    if len(ranks) > 4:
+        return f"{ranks[0]}..{ranks[-1]} ({len(ranks)})"
+    return ",".join(map(str, ranks))
+
+
+def format_report(report: dict[str, Any]) -> str:
+    """The tables: per role, each figure traced vs planner (GB) and the ratio; then the collectives per dimension."""
+    head = f"{'ranks':<16} {'pp,dp,tp':<9} {'stages':<7}"
+    for name in FIGURES:
+        head += f" | {name[:11]:>11} {'planner':>8} {'ratio':>5}"
+    lines = [f"dry run of {report['recipe']}: world {report['world_size']}, layout {report['layout']}, "
+             f"usable {report['usable_bytes'] / 1e9:.1f} GB per {report['gpu']}, micro-batches traced "
+             f"{report['traced_microbatches']} of {report['microbatches']} ({report['seconds']} s)", head,
+             "-" * len(head)]
+    for r in report["roles"]:
+        c = r["coordinates"]
+        row = f"{_ranks_text(r['ranks']):<16} {c['pp']},{c['dp']},{c['tp']:<5} {','.join(map(str, r['stages'])):<7}"
+        for name in FIGURES:
+            ratio = r["ratio"][name]
+            row += f" | {_gb(r['traced'][name]):>11} {_gb(r['planner'][name]):>8} " \
+                   f"{('-' if ratio is None else f'{ratio:.3f}'):>5}"
+        lines.append(row + ("" if r["fits"] else "  DOES NOT FIT"))
+    lines += ["", "collectives of one step (calls, MB) per mesh dimension:"]
+    for r in report["roles"]:
+        parts = [f"{dim}: " + ", ".join(f"{kind} {n} x {b / 1e6:.1f}" for kind, (n, b) in kinds.items())
+                 for dim, kinds in r["collectives"].items()]
+        lines.append(f"  rank {r['traced_rank']}: " + "; ".join(parts))
+    return "\n".join(lines)
+
+
+def _not_fitting(report: dict[str, Any]) -> list[str]:
+    out = []
+    for r in report["roles"]:
+        if r["fits"]:
+            continue
+        rank, c = r["rank_coordinates"][0]
+        b = r["peak_breakdown"]
+        parts = ", ".join(f"{k.lower()} {v / 1e9:.1f}" for k, v in b.items() if k != "Total" and v)
+        out.append(f"rank {rank} (pp={c['pp']}, dp={c['dp']}, tp={c['tp']}; traced as rank {r['traced_rank']}, same "
+                   f"role: {_ranks_text(r['ranks'])}) does not fit: peak {r['traced']['total'] / 1e9:.1f} GB > usable "
+                   f"{report['usable_bytes'] / 1e9:.1f} GB on {report['gpu']} (GB at the peak: {parts})")
+    return out
+
+
+def dry_run_main(argv: Optional[list[str]] = None) -> int:
+    """Entry point of ``lightning-hybrid dry-run``.
+
+    Raises:
+        ValueError: a bad flag or a recipe the strategy refuses (``lightning-hybrid`` prints it as one line).
+    """
+    args = build_parser().parse_args(argv)
+    job = load_job(args.config)
+    ranks = parse_ranks(args.ranks, job.world_size)
+    gpu = (args.gpu or job.plan_gpu or "h100").lower()
+    report = dry_run(job, ranks, gpu, args.device_memory_gib)
+    print(json.dumps(report, indent=1) if args.json else format_report(report), flush=True)
+    problems = _not_fitting(report)
+    for line in problems:
+        print(f"lightning-hybrid dry-run: {line}", file=sys.stderr, flush=True)
+    return EXIT_DOES_NOT_FIT if problems else 0

@@ -1,0 +1,80 @@
+"""The planner's prediction for the rank a dry run traced, the ratios, and whether the rank fits its device."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Optional
+
+from lightning_hybrid.dryrun.rank import RankResult
+from lightning_hybrid.dryrun.recipe import DryRunJob
+
+__all__ = ["Prediction", "predict", "usable_bytes", "FIGURES"]
+
+# The figures a report shows, traced beside the planner's. "activations" is MemTracker's kind: every tensor made in
+# the forward and kept, FSDP2's gathered parameters and autocast's weight copies included, which the planner lists
+# apart (fsdp_buffers, autocast_copies); "transient" is everything but the model state, on both sides.
+FIGURES = ("parameters", "gradients", "optimizer", "activations", "transient", "total")
+
+
+@dataclass
+class Prediction:
+    """The planner's bytes for one rank (``figures``) and the device's usable bytes."""
+
+    figures: dict[str, float]
+    usable: float
+
+
+def usable_bytes(gpu: str, device_memory_gib: Optional[float]) -> float:
+    """Bytes a rank may fill: the planner's rule (memory less the framework's reserve, less fragmentation) on the
+    GPU table's memory, or on ``device_memory_gib`` GiB.
+
+    Raises:
+        ValueError: an unknown GPU name or a memory that is not positive.
+    """
+    from lightning_hybrid.hardware import SYSTEM_GPUS
+    from lightning_hybrid.planner.step_time import Hardware
+
+    if gpu not in SYSTEM_GPUS:
+        raise ValueError(f"--gpu {gpu!r} is not in the hardware table; use one of {', '.join(sorted(SYSTEM_GPUS))}")
+    hw = Hardware(SYSTEM_GPUS[gpu], 1, 1)
+    if device_memory_gib is None:
+        return hw.usable_bytes
+    if not device_memory_gib > 0:
+        raise ValueError(f"--device-memory-gib {device_memory_gib} must be positive")
+    gb = device_memory_gib * (1 << 30) / 1e9
+    return max(0.0, (gb - hw.reserved_gb) * (1 - hw.fragmentation)) * 1e9
+
+
+def _layout(job: DryRunJob, dims: Any, options: Any) -> Any:
+    from lightning_hybrid.planner.search import Layout
+
+    m = options.num_microbatches if dims.pp > 1 else 1
+    return Layout(tp=dims.tp, pp=dims.pp, dp=dims.dp, data_parallel=options.data_parallel,
+                  micro_batch_size=job.batch_size // m, microbatches=m,
+                  schedule=options.pp_schedule if dims.pp > 1 else "none", virtual_stages=options.virtual_stages,
+                  recompute=options.activation_checkpointing, sequence_parallel=options.sequence_parallel)
+
+
+def predict(job: DryRunJob, config: Any, dims: Any, options: Any, result: RankResult, gpu: str,
+            usable: float) -> Prediction:
+    """The planner's figures for ``result``'s rank: its exact state bytes at the rank's coordinates
+    (:func:`~lightning_hybrid.planner.memory.rank_memory`) and its memory breakdown for the rank's pipeline
+    coordinate (activations held at the peak, total)."""
+    from lightning_hybrid.distributed.pipeline.schedules import V_SHAPED
+    from lightning_hybrid.hardware import SYSTEM_GPUS
+    from lightning_hybrid.planner.memory import rank_memory
+    from lightning_hybrid.planner.search import Problem, rank_memory_breakdown
+    from lightning_hybrid.planner.step_time import Hardware
+
+    c = result.coordinates
+    stage_style = "v" if options.pp_schedule in V_SHAPED else "loop"
+    state = rank_memory(config, dims.tp, dims.pp, dims.dp, options.data_parallel, c["pp"], c["tp"], c["dp"],
+                        job.precision, "adamw", options.virtual_stages, stage_style)
+    hw = Hardware(SYSTEM_GPUS[gpu], job.world_size, job.devices_per_node)
+    problem = Problem(config, hw, job.seq_len, job.batch_size * dims.dp, job.precision)
+    memory = rank_memory_breakdown(problem, _layout(job, dims, options), c["pp"])
+    figures = {"parameters": state["param_bytes"], "gradients": state["grad_bytes"],
+               "optimizer": state["optimizer_bytes"], "activations": memory["activations"],
+               "total": memory["total"],
+               "transient": memory["total"] - memory["weights"] - memory["gradients"] - memory["optimizer"]}
+    return Prediction(figures, usable)

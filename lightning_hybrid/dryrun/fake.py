@@ -1,0 +1,119 @@
+"""The fake world a dry run plays one rank in: torch's fake process group, fake tensors, a Lightning environment.
+
+torch's fake backend (``torch.testing._internal.distributed.fake_pg``) lets one process join a world of any size:
+process groups and meshes are built as in the real job and every collective returns at once without touching its
+buffers. ``FakeTensorMode`` gives tensors shapes, dtypes and devices but no memory, so a rank of a 72B job costs
+nothing. :class:`DryRunTensorMode` is that mode with one difference: an operation whose tensor inputs are all real
+runs for real. DeviceMesh and DTensor compute coordinates and shard offsets with small real index tensors
+(``mesh == rank``, ``nonzero``, ``tolist``), which fake tensors cannot answer; the model's tensors are fake from
+materialization on (:mod:`lightning_hybrid.distributed.materialize`), so everything they touch stays fake.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Any, Iterator
+
+import torch
+from lightning.fabric.plugins.environments import ClusterEnvironment
+from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode, unset_fake_temporarily
+from torch.utils._pytree import tree_leaves
+
+__all__ = ["DryRunTensorMode", "FakeWorldEnvironment", "fake_world", "is_fake"]
+
+_aten = torch.ops.aten
+# Index tensors built from nothing (shard offsets of strided placements): real, they are a few integers.
+_REAL_FACTORIES = {_aten.arange.default, _aten.arange.start, _aten.arange.start_step}
+# Factories of at most this many elements are real too: flags and counters that code reads back with .item().
+_SMALL_FACTORY_ELEMENTS = 16
+
+
+def is_fake(tensor: Any) -> bool:
+    """Whether ``tensor`` holds no memory (a fake or meta tensor)."""
+    return isinstance(tensor, FakeTensor) or (isinstance(tensor, torch.Tensor) and tensor.is_meta)
+
+
+def _small_factory(func: Any, args: tuple, kwargs: dict) -> bool:
+    if func in _REAL_FACTORIES:
+        return True
+    size = args[0] if args else kwargs.get("size")
+    if isinstance(size, (list, tuple)) and all(isinstance(n, int) for n in size):
+        numel = 1
+        for n in size:
+            numel *= n
+        return numel <= _SMALL_FACTORY_ELEMENTS and kwargs.get("device") in (None, torch.device("cpu"), "cpu")
+    return False
+
+
+class DryRunTensorMode(FakeTensorMode):
+    """``FakeTensorMode`` that runs an operation for real when none of its tensor inputs is fake or meta, or when it
+    builds a tiny tensor from nothing (see the module docstring)."""
+
+    def __init__(self) -> None:
+        super().__init__(allow_non_fake_inputs=True)
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: Any = None) -> Any:
+        kwargs = kwargs or {}
+        tensors = [t for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
+        real = not any(is_fake(t) for t in tensors) if tensors else _small_factory(func, args, kwargs)
+        if real:
+            with unset_fake_temporarily():
+                return func(*args, **kwargs)
+        return super().__torch_dispatch__(func, types, args, kwargs)
+
+
+class FakeWorldEnvironment(ClusterEnvironment):
+    """Lightning's view of one rank of a world that exists only on the fake process group."""
+
+    def __init__(self, rank: int, world_size: int, devices_per_node: int) -> None:
+        super().__init__()
+        self._rank, self._world_size, self._per_node = rank, world_size, devices_per_node
+
+    @property
+    def creates_processes_externally(self) -> bool:
+        return True
+
+    @property
+    def main_address(self) -> str:
+        return "127.0.0.1"
+
+    @property
+    def main_port(self) -> int:
+        return 0
+
+    @staticmethod
+    def detect() -> bool:
+        return False
+
+    def world_size(self) -> int:
+        return self._world_size
+
+    def set_world_size(self, size: int) -> None:
+        pass  # fixed by the recipe
+
+    def global_rank(self) -> int:
+        return self._rank
+
+    def set_global_rank(self, rank: int) -> None:
+        pass  # fixed by the dry run
+
+    def local_rank(self) -> int:
+        return self._rank % self._per_node
+
+    def node_rank(self) -> int:
+        return self._rank // self._per_node
+
+
+@contextlib.contextmanager
+def fake_world(rank: int, world_size: int) -> Iterator[None]:
+    """The default process group is the fake one, as rank ``rank`` of ``world_size``, until the block ends."""
+    import torch.distributed as dist
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    if dist.is_initialized():
+        raise RuntimeError("a dry run needs a process without a process group; run it in its own process")
+    dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world_size)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()

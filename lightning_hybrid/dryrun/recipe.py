@@ -1,0 +1,110 @@
+"""The job a recipe describes, as the dry run needs it: world, strategy and model arguments, batch shape."""
+
+from __future__ import annotations
+
+import re
+import shlex
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Any, Optional
+
+__all__ = ["DryRunJob", "load_job"]
+
+_DROPPED_STRATEGY_ARGS = ("timeout", "preflight", "process_group_backend", "save_distributed_checkpoint")
+
+
+@dataclass(frozen=True)
+class DryRunJob:
+    """One training job: its world and what every rank builds.
+
+    Attributes:
+        name: the recipe's file name.
+        num_nodes, devices_per_node: the Trainer's ``num_nodes`` and ``devices``.
+        precision: Lightning's precision.
+        strategy: ``HybridParallelStrategy`` arguments (the launch-only ones dropped: timeout, preflight, backend).
+        model: ``CausalLM`` arguments.
+        batch_size, seq_len: sequences per dp rank and step, tokens per sequence.
+        gradient_clip_val, accumulate_grad_batches: the Trainer's.
+        seed: ``seed_everything``.
+        plan_gpu: the ``--gpu`` of the recipe's ``# plan:`` line, when it has one.
+    """
+
+    name: str
+    num_nodes: int
+    devices_per_node: int
+    precision: str
+    strategy: dict[str, Any] = field(default_factory=dict)
+    model: dict[str, Any] = field(default_factory=dict)
+    batch_size: int = 1
+    seq_len: int = 128
+    gradient_clip_val: Optional[float] = None
+    accumulate_grad_batches: int = 1
+    seed: int = 0
+    plan_gpu: Optional[str] = None
+
+    @property
+    def world_size(self) -> int:
+        """Processes in the job."""
+        return self.num_nodes * self.devices_per_node
+
+    def with_microbatches(self, microbatches: int) -> "DryRunJob":
+        """This job running ``microbatches`` micro-batches of the same size per step (a pipeline's traced step)."""
+        current = self.strategy.get("microbatches")
+        if current is None or current == microbatches:
+            return self
+        size = self.batch_size // current
+        return replace(self, batch_size=size * microbatches, strategy={**self.strategy, "microbatches": microbatches})
+
+    def with_strategy(self, **changes: Any) -> "DryRunJob":
+        """This job with some strategy arguments changed (what-if runs, tests)."""
+        return replace(self, strategy={**self.strategy, **changes})
+
+
+def _plan_gpu(text: str) -> Optional[str]:
+    for line in text.splitlines():
+        match = re.match(r"#\s*plan:\s*(.*)", line)
+        if match:
+            words = shlex.split(match.group(1))
+            if "--gpu" in words and words.index("--gpu") + 1 < len(words):
+                return words[words.index("--gpu") + 1]
+    return None
+
+
+def _int(section: dict, key: str, where: str, default: Optional[int] = None) -> int:
+    value = section.get(key, default)
+    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+        raise ValueError(f"{where}.{key}={value!r} in the recipe must be a positive integer for a dry run")
+    return value
+
+
+def load_job(path: str) -> DryRunJob:
+    """Read a ``lightning-hybrid fit`` recipe.
+
+    Raises:
+        ValueError: the file is missing, is not YAML, or lacks what the dry run needs (devices, batch size, seq_len,
+            a ``HybridParallelStrategy``).
+    """
+    import yaml
+
+    file = Path(path)
+    if not file.is_file():
+        raise ValueError(f"--config {path}: no such file")
+    text = file.read_text()
+    try:
+        config = yaml.safe_load(text) or {}
+    except yaml.YAMLError as err:
+        raise ValueError(f"--config {path}: not valid YAML ({str(err).splitlines()[0]})") from None
+    trainer = config.get("trainer") or {}
+    strategy = trainer.get("strategy") or {}
+    if not isinstance(strategy, dict) or not str(strategy.get("class_path", "")).endswith("HybridParallelStrategy"):
+        raise ValueError(f"--config {path}: trainer.strategy must be lightning_hybrid.HybridParallelStrategy "
+                         f"for a dry run; got {strategy!r}")
+    data = (config.get("data") or {}).get("init_args") or {}
+    init_args = {k: v for k, v in (strategy.get("init_args") or {}).items() if k not in _DROPPED_STRATEGY_ARGS}
+    return DryRunJob(
+        name=file.name, num_nodes=_int(trainer, "num_nodes", "trainer", 1),
+        devices_per_node=_int(trainer, "devices", "trainer"), precision=str(trainer.get("precision", "32-true")),
+        strategy=init_args, model=dict(config.get("model") or {}), batch_size=_int(data, "batch_size", "data"),
+        seq_len=_int(data, "seq_len", "data"), gradient_clip_val=trainer.get("gradient_clip_val"),
+        accumulate_grad_batches=int(trainer.get("accumulate_grad_batches") or 1),
+        seed=int(config.get("seed_everything") or 0), plan_gpu=_plan_gpu(text))

@@ -1,0 +1,50 @@
+"""``benchmarks/gpu_smoke.sh``: its argument handling and the commands it would run, checked on CPU."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+
+SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "gpu_smoke.sh"
+
+
+def _run(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:
+    return subprocess.run(["bash", str(SCRIPT), *args], capture_output=True, text=True, timeout=30,
+                          env={**os.environ, **(env or {})})
+
+
+def test_print_lists_the_four_steps_with_their_settings() -> None:
+    result = _run("--print", "--gpu", "h100")
+    assert result.returncode == 0, result.stderr
+    lines = dict(line.split(": ", 1) for line in result.stdout.splitlines())
+    assert list(lines) == ["mfu", "tiny-nccl", "preflight", "ckpt"]
+    assert "--preset qwen2.5-1.5b" in lines["mfu"] and "--seq-len 4096" in lines["mfu"] and "--dtype bf16" in lines[
+        "mfu"]
+    assert "--nproc_per_node 1" in lines["tiny-nccl"] and "process_group_backend nccl" in lines["tiny-nccl"]
+    assert "preflight --gpu h100" in lines["preflight"] and "--no-health" not in lines["preflight"]
+    assert "FaultTolerantCheckpoint" in lines["ckpt"] and "for steps in 20 30" in lines["ckpt"]
+
+
+def test_only_selects_steps_and_refuses_unknown_ones() -> None:
+    result = _run("--print", "--only", "ckpt,mfu")
+    assert [line.split(":")[0] for line in result.stdout.splitlines()] == ["mfu", "ckpt"]
+    bad = _run("--only", "mfu,bogus")
+    assert bad.returncode == 2 and "unknown step 'bogus'" in bad.stderr and "mfu,tiny-nccl,preflight,ckpt" in bad.stderr
+
+
+@pytest.mark.parametrize("args", [["--frobnicate"], ["--out"], ["--gpu"]])
+def test_bad_arguments_exit_2_with_one_line(args) -> None:
+    result = _run(*args)
+    assert result.returncode == 2 and len(result.stderr.strip().splitlines()) == 1, result.stderr
+
+
+def test_help_and_no_gpu(tmp_path) -> None:
+    assert _run("--help").stdout.startswith("GPU smoke test")
+    if shutil.which("nvidia-smi"):
+        pytest.skip("a GPU driver is present")
+    result = _run("--out", str(tmp_path / "o"))
+    assert result.returncode == 3 and "no NVIDIA GPU" in result.stderr and not (tmp_path / "o").exists()
