@@ -10,7 +10,8 @@ from typing import Any, Optional
 
 __all__ = ["DryRunJob", "load_job"]
 
-_DROPPED_STRATEGY_ARGS = ("timeout", "preflight", "process_group_backend", "save_distributed_checkpoint")
+_DROPPED_STRATEGY_ARGS = ("timeout", "hang_timeout", "preflight", "process_group_backend",
+                         "save_distributed_checkpoint")
 
 
 @dataclass(frozen=True)
@@ -21,7 +22,7 @@ class DryRunJob:
         name: the recipe's file name.
         num_nodes, devices_per_node: the Trainer's ``num_nodes`` and ``devices``.
         precision: Lightning's precision.
-        strategy: ``HybridParallelStrategy`` arguments (the launch-only ones dropped: timeout, preflight, backend).
+        strategy: ``HybridParallelStrategy`` arguments (the launch-only ones dropped: timeouts, preflight, backend).
         model: ``CausalLM`` arguments.
         batch_size, seq_len: sequences per dp rank and step, tokens per sequence.
         gradient_clip_val, accumulate_grad_batches: the Trainer's.
