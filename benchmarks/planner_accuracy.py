@@ -148,14 +148,12 @@ def spearman(xs: list[float], ys: list[float]) -> float:
 
 def predict(args: argparse.Namespace, doc: dict) -> list[dict]:
     """Each measured layout with the calibrated planner's predicted step time."""
-    from lightning_hybrid.planner.calibrate import CPU_TIME_MODEL, calibrate_hardware, cpu_gpu_entry, measure_cpu
+    from lightning_hybrid.planner.calibrate import CPU_TIME_MODEL, calibrate_hardware, cpu_hardware, measure_cpu
     from lightning_hybrid.planner.search import Layout, Problem, estimate
-    from lightning_hybrid.planner.step_time import Hardware
 
     preflight, measured = doc["preflight"], doc["results"]
     copy_tbs = doc.get("copy_tbs") or measure_cpu()[1]  # memory bandwidth (the preflight measures matmul and links)
-    hw = Hardware(cpu_gpu_entry(1.0, copy_tbs, 8.0), args.processes, args.processes, compute_efficiency=1.0,
-                  link_efficiency=1.0, cores_per_node=doc.get("cores") or len(os.sched_getaffinity(0)))
+    hw = cpu_hardware(1.0, copy_tbs, args.processes, args.processes, cores=doc.get("cores"))
     hw = calibrate_hardware(hw, preflight)
     problem = Problem(_config(args), hw, args.seq_len, args.global_batch, "32-true", time_model=CPU_TIME_MODEL)
     rows = []

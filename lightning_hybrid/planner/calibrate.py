@@ -8,12 +8,16 @@ preflight report (:mod:`lightning_hybrid.preflight.links`, ``--json``) into :cla
 * links: every tested group is intra-node or inter-node (the preflight names the link); per kind the median group's
   best bus bandwidth replaces the table's NVLink / network figure (link efficiency 1: it is measured), and the fixed
   cost of one collective is the intercept of the line through the group's smallest and largest message times.
+  Each collective kind (all-reduce, all-gather, reduce-scatter, p2p) keeps its own measured bandwidth relative to
+  that figure (``Hardware.collective_factors``).
   TP and DP collectives and pipeline transfers then cost what the mesh dimension's link measured.
 
 Without a preflight, a CPU run measures a float32 matmul and a memory copy on the spot (a fraction of a second)
 and takes gloo's link figures from :data:`CPU_GLOO_BUS_GBS` and :data:`CPU_GLOO_LATENCY_S`. CPU processes share
-the cores this process may run on (``Hardware.cores_per_node``): a step takes at least the node's busy time over
-its cores (``core_sharing`` in the estimate).
+the cores this process may run on (``Hardware.cores_per_node``): a step takes at least the node's compute over its
+cores plus its communication (``core_sharing`` in the estimate). With more processes than cores, a blocking
+collective also waits for its peers to be scheduled (:data:`CPU_SCHEDULING_WAIT_S` per step of its ring), and
+prefetched FSDP collectives find no free core to hide behind.
 """
 
 from __future__ import annotations
@@ -29,8 +33,8 @@ from typing import Any, Optional, Union
 from lightning_hybrid.hardware import GPU, PeakFlops, gpu_from_device_name
 from lightning_hybrid.planner.step_time import Hardware, TimeModel
 
-__all__ = ["calibrate_hardware", "load_preflight", "local_hardware", "measure_cpu", "cpu_gpu_entry", "CPU_TIME_MODEL",
-           "CPU_GLOO_BUS_GBS", "CPU_GLOO_LATENCY_S", "CPU_MATMUL_SIZE"]
+__all__ = ["calibrate_hardware", "load_preflight", "local_hardware", "measure_cpu", "cpu_gpu_entry", "cpu_hardware",
+           "CPU_TIME_MODEL", "CPU_GLOO_BUS_GBS", "CPU_GLOO_LATENCY_S", "CPU_MATMUL_SIZE", "CPU_SCHEDULING_WAIT_S"]
 
 CPU_MATMUL_SIZE = 384
 """Side of the float32 matmul timed on CPU: large enough to reach the cores' GEMM speed, a few ms per call."""
@@ -40,6 +44,12 @@ CPU_GLOO_BUS_GBS = 1.0
 replaces it."""
 CPU_GLOO_LATENCY_S = 150e-6
 """Fixed cost of one gloo collective on one machine, seconds; a preflight replaces it."""
+CPU_SCHEDULING_WAIT_S = 0.012
+"""More processes than cores: what one step of a blocking collective (TP's all-reduces, a pipeline's receive) waits
+for its peer to be scheduled, seconds (``Hardware.scheduling_wait_s``). About one scheduler time slice of Linux's
+CFS with a few runnable processes per core; the one constant chosen on ``benchmarks/planner_accuracy.py``'s
+measurements (28 layouts, 4 processes on 2 cores): any value from 4 to 20 ms meets the targets there (median error
+7-11%, Spearman 0.85-0.98, the planner's choice measured fastest); 0 gives 15%, 0.67 and the 7th."""
 CPU_TIME_MODEL = TimeModel(gemm_knee=24.0, tp_overlap_exposed=1.0, attention_efficiency=0.25, hbm_efficiency=1.0)
 """CPU kernels: small GEMMs lose less to tiling than on a GPU (knee 24, not 664); attention (SDPA's math path on
 CPU) reaches about a quarter of the matmul speed; elementwise ops move bytes at the measured copy bandwidth."""
@@ -70,6 +80,18 @@ def cpu_gpu_entry(matmul_tflops: float, copy_tbs: float, memory_gb: float) -> GP
     peak = matmul_tflops * 1e12
     return GPU("cpu", PeakFlops(fp32=peak, tf32=peak, bf16=peak, fp16=peak), memory_gb=memory_gb, hbm_tbs=copy_tbs,
                nvlink_gbs=CPU_GLOO_BUS_GBS, nvlinks=0, network_gbits=CPU_GLOO_BUS_GBS * 8, pcie_gen=0)
+
+
+def cpu_hardware(matmul_tflops: float, copy_tbs: float, world_size: int, processes_per_node: int,
+                 cores: Optional[int] = None) -> Hardware:
+    """CPU processes as the planner's cluster: the measured matmul and copy speeds, gloo's default link figures,
+    the host memory split between the node's processes, and the cores they share (default: this process's)."""
+    cores = cores or len(os.sched_getaffinity(0))
+    gpu = cpu_gpu_entry(matmul_tflops, copy_tbs, _host_memory_gb(processes_per_node))
+    return Hardware(gpu, world_size, processes_per_node, compute_efficiency=1.0, link_efficiency=1.0,
+                    intra_latency_s=CPU_GLOO_LATENCY_S, inter_latency_s=CPU_GLOO_LATENCY_S, reserved_gb=0.5,
+                    fragmentation=0.1, cores_per_node=cores,
+                    scheduling_wait_s=CPU_SCHEDULING_WAIT_S if processes_per_node > cores else 0.0)
 
 
 def _host_memory_gb(processes: int) -> float:
@@ -111,6 +133,19 @@ def _link_figures(links: list[dict[str, Any]], inter: bool) -> Optional[tuple[fl
     return statistics.median(bandwidths), statistics.median(latencies) if latencies else 0.0
 
 
+def _collective_factors(links: list[dict[str, Any]]) -> tuple[tuple[str, float], ...]:
+    """Per collective kind the preflight tested, its median bus bandwidth over the median of all kinds (the link
+    figure): the kinds of one link differ (gloo's reduce-scatter runs at a fraction of its all-reduce)."""
+    by_kind: dict[str, list[float]] = {}
+    for link in links:
+        if link.get("sizes") and link.get("busbw_gbs"):
+            by_kind.setdefault(str(link.get("test")), []).append(float(link["busbw_gbs"]))
+    if len(by_kind) < 2:
+        return ()
+    overall = statistics.median(v for values in by_kind.values() for v in values)
+    return tuple(sorted((kind, statistics.median(values) / overall) for kind, values in by_kind.items()))
+
+
 def calibrate_hardware(hw: Hardware, preflight: dict[str, Any]) -> Hardware:
     """``hw`` with the matmul speed and each link kind's bandwidth and latency a preflight report measured."""
     gpu, changes = hw.gpu, {}
@@ -132,6 +167,7 @@ def calibrate_hardware(hw: Hardware, preflight: dict[str, Any]) -> Hardware:
         changes["inter_latency_s"] = inter[1]
     if intra is not None or inter is not None:
         changes["link_efficiency"] = 1.0
+        changes["collective_factors"] = _collective_factors(preflight.get("links", []))
         if inter is None and intra is not None:  # one node: inter-node figures are never used, keep them consistent
             gpu = replace(gpu, network_gbits=intra[0] * 8)
     return replace(hw, gpu=gpu, **changes)
@@ -156,10 +192,7 @@ def local_hardware(device: Any, world_size: int, devices_per_node: int,
         hw, time_model, described = Hardware(gpu, world_size, devices_per_node), None, f"{name} x {world_size}"
     else:
         matmul, copy = measure_cpu()
-        gpu = cpu_gpu_entry(matmul, copy, _host_memory_gb(devices_per_node))
-        hw = Hardware(gpu, world_size, devices_per_node, compute_efficiency=1.0, link_efficiency=1.0,
-                      intra_latency_s=CPU_GLOO_LATENCY_S, inter_latency_s=CPU_GLOO_LATENCY_S, reserved_gb=0.5,
-                      fragmentation=0.1, cores_per_node=len(os.sched_getaffinity(0)))
+        hw = cpu_hardware(matmul, copy, world_size, devices_per_node)
         time_model = CPU_TIME_MODEL
         described = f"CPU x {world_size}: matmul {matmul * 1e3:.1f} GFLOP/s, copy {copy * 1e3:.1f} GB/s measured"
     if preflight is not None:

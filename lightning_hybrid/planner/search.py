@@ -40,7 +40,6 @@ from lightning_hybrid.planner.step_time import (
     Runtime,
     TimeModel,
     block_gemms,
-    collective_seconds,
     elementwise_bytes,
     gemm_efficiency,
 )
@@ -221,6 +220,7 @@ class _Work:
     tp: float = 0.0  # exposed TP collectives of forward and backward
     gemm_flops: float = 0.0
     cp: float = 0.0  # the K/V exchange of context parallelism, forward (all-gather) and backward (reduce-scatter)
+    p2p: float = 0.0  # pipeline transfers in the critical path (only on oversubscribed CPU cores; else overlapped)
 
     def __add__(self, other: "_Work") -> "_Work":
         return _Work(*(x + y for x, y in zip(astuple(self), astuple(other))))
@@ -235,7 +235,7 @@ class _Work:
 
     @property
     def total(self) -> float:
-        return self.compute + self.recompute + self.tp + self.cp
+        return self.compute + self.recompute + self.tp + self.cp + self.p2p
 
 
 @dataclass(frozen=True)
@@ -343,7 +343,7 @@ def _activation_bytes(problem: Problem) -> tuple[int, int]:
 def _tp_seconds(problem: Problem, layout: Layout, kind: str, nbytes: float) -> float:
     """One TP collective, as much of it as stays exposed (all of it unless TP communication is overlapped)."""
     hw = problem.hw
-    seconds = collective_seconds(kind, nbytes, layout.tp, hw.bus_bandwidth(False), hw.latency(False))
+    seconds = hw.collective(kind, nbytes, layout.tp, False, blocking=True)
     return seconds * (problem.time_model.tp_overlap_exposed if problem.runtime.tp_overlap else 1.0)
 
 
@@ -393,8 +393,7 @@ def _cp_seconds(problem: Problem, layout: Layout, tokens: int) -> float:
     c, hw = problem.config, problem.hw
     nbytes = 2 * tokens * layout.cp * c.num_key_value_heads // layout.tp * c.head_dim * _activation_bytes(problem)[0]
     inter_node = layout.tp * layout.cp > hw.gpus_per_node  # cp ranks are tp apart
-    one = functools.partial(collective_seconds, nbytes=nbytes, ranks=layout.cp,
-                            bus_bandwidth=hw.bus_bandwidth(inter_node), latency=hw.latency(inter_node))
+    one = functools.partial(hw.collective, nbytes=nbytes, ranks=layout.cp, inter_node=inter_node, blocking=True)
     gathers = 2 if layout.recompute == "full" else 1
     return gathers * one("all_gather") + one("reduce_scatter")
 
@@ -426,6 +425,12 @@ def _rank_work(problem: Problem, layout: Layout, shape: _LayoutShape, pp_rank: i
         work = work + _Work(tp=_tp_seconds(problem, layout, "all_reduce", nbytes))
     if shape.last_stage in stages:
         work = work + _head_work(problem, layout, shape.tokens)
+    if layout.pp > 1 and problem.hw.scheduling_wait_s:
+        # oversubscribed CPU cores: a rank receiving its stage input (and its output gradient) waits for the sender
+        # to be scheduled; on GPUs the steady state's transfers overlap with compute
+        received = 2 - (0 in stages) - (shape.last_stage in stages) if layout.virtual_stages == 1 else 2
+        nbytes = shape.tokens * problem.config.hidden_size * _activation_bytes(problem)[1]
+        work = work + _Work(p2p=received * problem.hw.collective("p2p", nbytes, 2, False, blocking=True))
     return work
 
 
@@ -441,8 +446,7 @@ def _data_parallel_seconds(problem: Problem, layout: Layout, shape: _LayoutShape
     hw, prec, state, rt = problem.hw, shape.precision, slowest.state, problem.runtime
     # the data ranks (dp x cp, or HSDP's shard group) are tp apart
     inter_node = _spans_nodes([d * layout.tp for d in range(layout.shard_ranks)], hw.gpus_per_node)
-    dp_collective = functools.partial(collective_seconds, ranks=layout.shard_ranks,
-                                      bus_bandwidth=hw.bus_bandwidth(inter_node), latency=hw.latency(inter_node))
+    dp_collective = functools.partial(hw.collective, ranks=layout.shard_ranks, inter_node=inter_node)
     param_bytes = min(prec.param, LOW_PRECISION_BYTES) if rt.low_precision_params else prec.param
     # what overlapped per-step collectives hide behind: the last micro-batch and the rank's idle pipeline drain
     window = slowest.work.total * (1 + (layout.pp - 1) / layout.virtual_stages)
@@ -458,6 +462,8 @@ def _data_parallel_seconds(problem: Problem, layout: Layout, shape: _LayoutShape
     if layout.pp > 1:
         return max(0.0, gather + scatter - window) if rt.dp_overlap else gather + scatter
     per_microbatch = 2 * gather + scatter  # forward and backward all-gather, one reduce-scatter
+    if hw.scheduling_wait_s:  # oversubscribed cores: no core is free to run the prefetched collectives alongside
+        return layout.microbatches * per_microbatch
     first_unit = dp_collective("all_gather", _block_numel(problem.config, layout.tp) * param_bytes)
     return layout.microbatches * max(0.0, per_microbatch - slowest.work.total) + first_unit
 
@@ -469,8 +475,7 @@ def _replica_all_reduce(problem: Problem, layout: Layout, nbytes: float) -> floa
         return 0.0
     hw, stride = problem.hw, layout.tp * layout.shard_ranks
     inter_node = _spans_nodes([r * stride for r in range(layout.dp // layout.dp_shard)], hw.gpus_per_node)
-    return collective_seconds("all_reduce", nbytes, layout.dp // layout.dp_shard, hw.bus_bandwidth(inter_node),
-                              hw.latency(inter_node))
+    return hw.collective("all_reduce", nbytes, layout.dp // layout.dp_shard, inter_node)
 
 
 def _pipeline_bubble_seconds(problem: Problem, layout: Layout, shape: _LayoutShape, slowest: _RankCost) -> float:
@@ -482,8 +487,7 @@ def _pipeline_bubble_seconds(problem: Problem, layout: Layout, shape: _LayoutSha
         inter_node = any(i // hw.gpus_per_node != (i + neighbours) // hw.gpus_per_node
                          for i in range((layout.pp - 1) * neighbours))
         _, residual = _activation_bytes(problem)
-        one = collective_seconds("p2p", shape.tokens * problem.config.hidden_size * residual, 2,
-                                 hw.bus_bandwidth(inter_node), hw.latency(inter_node))
+        one = hw.collective("p2p", shape.tokens * problem.config.hidden_size * residual, 2, inter_node)
         # the first micro-batch's activations cross pp - 1 boundaries before the last rank starts (with any v:
         # its chunks are v times smaller, its ramp as many boundaries), the last gradients as many when draining
         p2p = P2P_PER_BOUNDARY * (layout.pp - 1) * one
@@ -511,18 +515,22 @@ def _time_detail(problem: Problem, layout: Layout, shape: _LayoutShape, work: _W
 
 
 def _core_sharing_seconds(problem: Problem, layout: Layout, ranks: list[_RankCost], time: dict[str, float]) -> float:
-    """CPU processes on fewer cores than processes: a step takes at least the node's busy time over its cores.
+    """CPU processes on fewer cores than processes: a step takes at least the node's compute over its cores, plus
+    its communication.
 
-    Every rank's compute, recompute, collectives and optimizer run on the CPU (gloo's collectives too); pipeline
-    ranks idle in the bubble leave their core to others. 0 on GPUs (``Hardware.cores_per_node`` unset).
+    Every rank's compute, recompute and optimizer run on the shared cores; pipeline ranks idle in the bubble leave
+    their core to others. The collectives are not spread over the cores: their times come from a preflight that
+    measured them with every process taking part, sharing included, and a rank waiting in one holds no core. 0 on
+    GPUs (``Hardware.cores_per_node`` unset).
     """
     hw = problem.hw
     if not hw.cores_per_node or hw.gpus_per_node <= hw.cores_per_node:
         return 0.0
     on_node = min(hw.gpus_per_node, hw.gpus)  # processes of a node: on_node / pp of them per pipeline position
-    busy = on_node / layout.pp * sum(layout.microbatches * r.work.total for r in ranks)
-    busy += on_node * (time["optimizer"] + time["dp_comm"])
-    return max(0.0, busy / hw.cores_per_node - sum(time.values()))
+    busy = on_node / layout.pp * sum(layout.microbatches * (r.work.compute + r.work.recompute) for r in ranks)
+    busy += on_node * time["optimizer"]
+    communication = sum(time.get(key, 0.0) for key in ("tp_comm", "dp_comm", "cp_comm"))
+    return max(0.0, busy / hw.cores_per_node + communication - sum(time.values()))
 
 
 def estimate(problem: Problem, layout: Layout) -> Estimate:
@@ -532,7 +540,7 @@ def estimate(problem: Problem, layout: Layout) -> Estimate:
     fullest = max(range(layout.pp), key=lambda r: ranks[r].memory["total"])
     slowest = max(ranks, key=lambda rank: rank.work.total)
     m, work = layout.microbatches, slowest.work
-    time = {"compute": m * work.compute, "recompute": m * work.recompute, "tp_comm": m * work.tp,
+    time = {"compute": m * work.compute, "recompute": m * work.recompute, "tp_comm": m * work.tp + m * work.p2p,
             "pp_bubble": _pipeline_bubble_seconds(problem, layout, shape, slowest),
             "dp_comm": _data_parallel_seconds(problem, layout, shape, slowest),
             "optimizer": _optimizer_seconds(problem, shape, slowest)}

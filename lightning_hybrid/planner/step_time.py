@@ -190,6 +190,12 @@ class Hardware:
         reserved_gb: memory the framework takes before the model (CUDA context, NCCL buffers, workspaces).
         fragmentation: fraction of the remaining memory lost to allocator fragmentation.
         cores_per_node: CPU processes share this many cores (``None``: every rank has its own device, as GPUs).
+        collective_factors: ``(kind, factor)`` pairs: a collective kind's measured bus bandwidth over the link
+            figure (a preflight measures each kind; gloo's reduce-scatter is several times slower than its
+            all-reduce). A kind not listed runs at the link figure.
+        scheduling_wait_s: CPU processes on fewer cores than processes: what one step of a blocking collective
+            (a ring all-reduce has ``2 (n - 1)`` of them, an all-gather ``n - 1``) waits for its peer to be scheduled
+            (:data:`lightning_hybrid.planner.calibrate.CPU_SCHEDULING_WAIT_S`); 0 on GPUs.
     """
 
     gpu: GPU
@@ -202,6 +208,8 @@ class Hardware:
     reserved_gb: float = 4.0
     fragmentation: float = 0.05
     cores_per_node: Optional[int] = None
+    collective_factors: tuple[tuple[str, float], ...] = ()
+    scheduling_wait_s: float = 0.0
 
     @property
     def usable_bytes(self) -> float:
@@ -223,6 +231,17 @@ class Hardware:
     def latency(self, inter_node: bool) -> float:
         """Fixed cost in seconds of one collective inside a node or across nodes."""
         return self.inter_latency_s if inter_node else self.intra_latency_s
+
+    def collective(self, kind: str, nbytes: float, ranks: int, inter_node: bool, blocking: bool = False) -> float:
+        """Seconds of one collective of ``kind`` (see :func:`collective_seconds`) on this cluster's links;
+        ``blocking``: every rank waits in it between compute bursts (TP, CP), so on oversubscribed cores each of its
+        steps also waits for a peer to be scheduled (:attr:`scheduling_wait_s`)."""
+        bandwidth = self.bus_bandwidth(inter_node) * dict(self.collective_factors).get(kind, 1.0)
+        seconds = collective_seconds(kind, nbytes, ranks, bandwidth, self.latency(inter_node))
+        if blocking and self.scheduling_wait_s and ranks > 1 and nbytes > 0:
+            steps = 2 * (ranks - 1) if kind == "all_reduce" else ranks - 1
+            seconds += steps * self.scheduling_wait_s
+        return seconds
 
     def with_overrides(self, memory_gb: Optional[float] = None, peak_tflops: Optional[float] = None,
                        nvlink_gbs: Optional[float] = None, network_gbits: Optional[float] = None) -> "Hardware":
