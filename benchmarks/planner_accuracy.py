@@ -119,6 +119,11 @@ def worker(args: argparse.Namespace) -> None:
             Path(args.out).write_text(json.dumps(doc))
     dist.barrier()
     dist.destroy_process_group()
+    # Exit without interpreter finalization: a gloo worker thread still dropping the barrier's work would take the
+    # GIL during it and abort the process (pytorch/pytorch#190489; tests/helpers/worker_exit.py explains).
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 # ----------------------------------------------------------------------------- parent: predictions and the table

@@ -26,7 +26,7 @@ from lightning_hybrid.distributed.clip_grad import use_global_norm_clipping
 from lightning_hybrid.distributed.context_parallel import shard_batch
 from lightning_hybrid.distributed.data_parallel import all_reducing
 from lightning_hybrid.distributed.elastic import init_round_process_group
-from lightning_hybrid.distributed.heartbeat import attach_hang_detector, check_hang_timeout
+from lightning_hybrid.distributed.heartbeat import HANG_TIMEOUT, attach_hang_detector, check_hang_timeout
 from lightning_hybrid.distributed.init_weights import initialize_declared, move_buffers
 from lightning_hybrid.distributed.parallel_dims import ParallelDims, build_mesh, checkpoint_groups, lightning_mesh
 from lightning_hybrid.distributed.parallelize import ParallelOptions, check_options, parallelize, require_meta
@@ -72,7 +72,7 @@ class HybridParallelStrategy(ModelParallelStrategy):
         process_group_backend: ``"nccl"``/``"gloo"``; ``None`` chooses by device.
         timeout: timeout of collectives; a dead peer ends the run with a timeout error instead of a hang.
         hang_timeout: seconds without progress after which every rank ends itself naming the hung rank (default
-            ``None``: off).
+            600, ``HANG_TIMEOUT``; ``None``: off).
         data_parallel_size: Lightning's name of ``dp``; ``"auto"``: the number of nodes.
         tensor_parallel_size: Lightning's name of ``tp``; ``"auto"``: the devices per node.
         cp: context-parallel size (sequences split, ring attention); ``dp_shard``: HSDP's shard group (``"hsdp"``).
@@ -103,7 +103,7 @@ class HybridParallelStrategy(ModelParallelStrategy):
         save_distributed_checkpoint: bool = True,
         process_group_backend: Optional[str] = None,
         timeout: Optional[timedelta] = default_pg_timeout,
-        hang_timeout: Optional[float] = None,
+        hang_timeout: Optional[float] = HANG_TIMEOUT,
         data_parallel_size: Optional[Union[int, Literal["auto"]]] = None,
         tensor_parallel_size: Optional[Union[int, Literal["auto"]]] = None,
         cp: int = 1, dp_shard: Optional[int] = None,

@@ -14,6 +14,7 @@ import sys
 import torch
 import torch.distributed as dist
 
+from helpers.worker_exit import end_worker
 from lightning_hybrid.distributed.context_parallel import RingAttention, install_context_parallel, sequence_positions
 from lightning_hybrid.models.attention import CausalAttention
 
@@ -89,3 +90,4 @@ def main(out_path: str) -> None:
 
 if __name__ == "__main__":
     main(sys.argv[1])
+    end_worker()  # see helpers.worker_exit: a gloo thread must not outlive the interpreter

@@ -18,6 +18,7 @@ import torch.distributed as dist
 
 from helpers.equivalence import GLOBAL_BATCH, SEED, LossRecorder, make_dataset, make_trainer_kwargs, tiny_config
 from helpers.gather import first_prediction, full_weights, gather_merged, gather_objects
+from helpers.worker_exit import end_worker
 from lightning_hybrid import HybridParallelStrategy
 from lightning_hybrid.models import CausalLM
 
@@ -181,3 +182,4 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
+    end_worker()  # see helpers.worker_exit: a gloo thread must not outlive the interpreter

@@ -24,6 +24,7 @@ from torch import nn
 from torch.utils.data import DataLoader, DistributedSampler
 
 from helpers.gather import gather_objects
+from helpers.worker_exit import end_worker
 from lightning_hybrid import HybridParallelStrategy
 
 WORLD = 4
@@ -389,3 +390,4 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
+    end_worker()  # see helpers.worker_exit: a gloo thread must not outlive the interpreter

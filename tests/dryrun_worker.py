@@ -14,6 +14,7 @@ import os
 import sys
 from pathlib import Path
 
+from helpers.worker_exit import end_worker
 from lightning_hybrid.dryrun.rank import run_rank
 from lightning_hybrid.dryrun.recipe import load_job
 
@@ -31,3 +32,4 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
+    end_worker()  # see helpers.worker_exit: a gloo thread must not outlive the interpreter

@@ -22,6 +22,7 @@ import torch.distributed as dist
 
 from helpers.equivalence import GLOBAL_BATCH, SEED, make_dataset, make_trainer_kwargs, tiny_config
 from helpers.gather import full_weights
+from helpers.worker_exit import end_worker
 from lightning_hybrid import FaultTolerantCheckpoint, HybridParallelStrategy
 from lightning_hybrid.models import CausalLM
 
@@ -189,3 +190,4 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
+    end_worker()  # see helpers.worker_exit: a gloo thread must not outlive the interpreter

@@ -18,6 +18,7 @@ import torch.distributed as dist
 from torch.utils.data import DataLoader, TensorDataset
 
 from helpers.gather import first_prediction, gather_objects
+from helpers.worker_exit import end_worker
 from lightning_hybrid import HybridParallelStrategy
 from lightning_hybrid.distributed.init_weights import local_region
 from lightning_hybrid.models import CausalLM, Qwen2Config
@@ -73,3 +74,4 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
+    end_worker()  # see helpers.worker_exit: a gloo thread must not outlive the interpreter

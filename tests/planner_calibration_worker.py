@@ -17,6 +17,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
+from helpers.worker_exit import end_worker
 from lightning_hybrid.distributed.data_parallel import apply_fsdp
 from lightning_hybrid.distributed.parallel_dims import ParallelDims, build_mesh
 from lightning_hybrid.distributed.pipeline.schedules import stage_ids_for_rank
@@ -76,3 +77,4 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
+    end_worker()  # see helpers.worker_exit: a gloo thread must not outlive the interpreter

@@ -19,6 +19,7 @@ checkpoint. Every rank watches every other, so every live rank ends within ``han
 
 from __future__ import annotations
 
+import atexit
 import json
 import logging
 import os
@@ -43,11 +44,7 @@ __all__ = ["HANG_TIMEOUT", "EXIT_CODE_HANG", "check_hang_timeout", "Heartbeat", 
 log = logging.getLogger(__name__)
 
 HANG_TIMEOUT = 600.0
-"""A sound ``hang_timeout`` in seconds: far above a step of any recipe, far below the 30 min collective timeout.
-
-The strategy's default is ``None`` (off): with the heartbeat on, about 1 in 25 two-process CPU launches ended a rank
-with SIGABRT ("terminate called without an active exception") at interpreter exit, after training; not yet root-caused.
-"""
+"""The default ``hang_timeout`` in seconds: far above a step of any recipe, far below the 30 min collective timeout."""
 EXIT_CODE_HANG = 70
 """Exit code of a rank that ended itself because the job hung (EX_SOFTWARE); torchrun restarts on it."""
 
@@ -183,14 +180,21 @@ class Heartbeat:
         self._publish()
         self._thread = threading.Thread(target=self._run, name="lightning-hybrid-heartbeat", daemon=True)
         self._thread.start()
+        # Also stopped before the interpreter finalizes (a Trainer whose fit never returned): a daemon thread caught
+        # inside a store call then would be ended by pthread_exit through C++ frames, which aborts the process.
+        atexit.register(self.stop)
         return self
 
     def stop(self) -> None:
         """Tell the others this rank is done (so its silence is no hang) and end the thread."""
         if self._thread is None:
             return
+        atexit.unregister(self.stop)
         self._stop.set()
         self._thread.join(timeout=max(5.0, 2 * self.interval))
+        if self._thread.is_alive():
+            log.warning(f"heartbeat of rank {self.rank}: the watchdog thread did not end within "
+                        f"{max(5.0, 2 * self.interval):.0f} s (a store call hangs)")
         self._thread = None
         with self._lock:
             self._record["state"] = "stopped"
