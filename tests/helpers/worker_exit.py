@@ -8,7 +8,7 @@ through a ``noexcept`` destructor aborts the process: "terminate called without 
 after all the work was done (core dump: ``ProcessGroupGloo::runLoop`` > ``~AsyncBarrierWork`` >
 ``~AsyncAllgatherWork`` > ``TensorImpl::decref_pyobject`` > ``take_gil`` > ``pthread_exit``; torch's
 ``destroy_process_group`` does not join the default group's threads while Python still references the group). This is
-pytorch/pytorch#190489 (open); about 1 launch in 65 on this 2-core machine under load.
+pytorch/pytorch#190489 (open); about 1 launch in 50 on this 2-core machine under load.
 """
 
 from __future__ import annotations
