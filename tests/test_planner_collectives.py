@@ -62,6 +62,26 @@ def test_72b_pretrain_dry_run_traces_two_microbatches_of_the_same_collectives() 
     assert traced["pp"]["send"] == [2, 2 * 8_388_608] and traced["world"] == PRETRAIN_RANK_0["world"]
 
 
+# `lightning-hybrid dry-run --config recipes/qwen2.5-72b-pretrain.yaml --ranks 0,64 --json`: the traced collectives
+# of 2 micro-batches of each stage (27 s per rank on the 2-core machine).
+PRETRAIN_DRY_RUN = {
+    0: {"dp": {"all_gather": [121, 26645409792], "reduce_scatter": [41, 18178842624]},
+        "pp": {"broadcast": [1, 8], "recv": [2, 16777216], "send": [2, 16777216]},
+        "tp": {"all_gather": [322, 21609054208], "all_reduce": [80, 2621440], "reduce_scatter": [322, 21609054208]},
+        "world": {"all_reduce": [1, 8]}},
+    1: {"dp": {"all_gather": [121, 26645426176], "all_reduce": [2, 8], "reduce_scatter": [41, 18178875392]},
+        "pp": {"broadcast": [1, 8], "recv": [2, 16777216], "send": [2, 16777216]},
+        "tp": {"all_gather": [324, 24100470784], "all_reduce": [81, 2654208], "reduce_scatter": [322, 21609054208]},
+        "world": {"all_reduce": [1, 8]}},
+}
+
+
+@pytest.mark.parametrize("pp_rank", [0, 1])
+def test_72b_pretrain_prediction_equals_the_dry_run_trace(pp_rank) -> None:
+    problem = _problem("qwen2.5-72b", 4096, 1024, "bf16-mixed")
+    assert predicted_collectives(problem, PRETRAIN, pp_rank, traced_microbatches=2) == PRETRAIN_DRY_RUN[pp_rank]
+
+
 def test_72b_pretrain_last_stage_adds_the_head_and_the_loss_statistics() -> None:
     problem = _problem("qwen2.5-72b", 4096, 1024, "bf16-mixed")
     last = predicted_collectives(problem, PRETRAIN, 1)
