@@ -66,7 +66,7 @@ from lightning_hybrid.planner.memory import chunk_rows, rank_parameter_shapes, s
 if TYPE_CHECKING:
     from lightning_hybrid.planner.search import Layout, Problem
 
-__all__ = ["predicted_collectives", "COLWISE_PER_BLOCK"]
+__all__ = ["predicted_collectives", "COLWISE_PER_BLOCK", "tp_all_reduce_equivalents", "fsdp_block_gathers"]
 
 Table = dict[str, dict[str, list[int]]]
 Add = Callable[[str, str, int, int], None]  # (dimension, kind, calls, bytes of each call)
@@ -75,6 +75,23 @@ COLWISE_PER_BLOCK = 5  # q, k, v, gate, up: one input-gradient all-reduce each w
 _SCHEDULES = ("none", "1f1b", "gpipe")
 _SCALAR = 4  # a float32 loss statistic
 _NORM_SQUARED = 8  # the float64 squared gradient norm
+
+
+def tp_all_reduce_equivalents(sequence_parallel: bool) -> tuple[float, float]:
+    """TP traffic of one block and micro-batch in all-reduces of the residual stream (an all-gather and a
+    reduce-scatter make one): (forward and backward, added by a replayed forward). The planner's time model uses it.
+
+    Without sequence parallel 2 + 5 (the colwise projections' input gradients, one by one) and 1 replayed (the
+    down projection's, after the last saved tensor, is not); with it 4 pairs, and 2 all-gathers and 1
+    reduce-scatter replayed.
+    """
+    return (4.0, 1.5) if sequence_parallel else (2.0 + COLWISE_PER_BLOCK, 1.0)
+
+
+def fsdp_block_gathers(pp: int, microbatches: int) -> int:
+    """All-gathers of one FSDP block unit per step: forward and backward of each micro-batch without a pipeline;
+    ``m + 1`` under a 1F1B or GPipe pipeline (the warm-up forwards and each backward that follows a forward)."""
+    return 2 * microbatches if pp == 1 else microbatches + 1
 
 
 def _stage_bytes(problem: "Problem", layout: "Layout") -> int:
@@ -157,7 +174,7 @@ def _fsdp(add: Add, problem: "Problem", layout: "Layout", pp_rank: int, m: int) 
     root = _unit_numel(root_shapes, dp)
     roots = 1 if root else 0
     # without a pipeline every micro-batch is a step of its own; a pipeline gathers blocks m + 1 times, reduces once
-    gathers, root_gathers, scatters = (2 * m, m, m) if layout.pp == 1 else (m + 1, 1, 1)
+    gathers, (root_gathers, scatters) = fsdp_block_gathers(layout.pp, m), ((m, m) if layout.pp == 1 else (1, 1))
     add("dp", "all_gather", gathers * len(blocks), block * gather_bytes)
     add("dp", "all_gather", root_gathers * roots, root * gather_bytes)
     add("dp", "reduce_scatter", scatters * len(blocks), block * 4)
