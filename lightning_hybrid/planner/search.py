@@ -462,7 +462,9 @@ def _data_parallel_seconds(problem: Problem, layout: Layout, shape: _LayoutShape
         problem, layout, state["stage_param_numel"] * prec.grad / layout.shard_ranks)
     if layout.pp > 1:  # the stage once, and each block again m times (fsdp_block_gathers), reduced once
         regather = dp_collective("all_gather", _block_numel(problem.config, layout.tp) * param_bytes) * state["blocks"]
-        extra = fsdp_block_gathers(layout.pp, layout.microbatches) - 1
+        # traced for 1F1B and GPipe; the multi-stage schedules' UNSHARD/RESHARD actions are not: once per step there
+        single = layout.virtual_stages == 1 and layout.schedule in ("1f1b", "gpipe")
+        extra = fsdp_block_gathers(layout.pp, layout.microbatches) - 1 if single else 0
         if hw.scheduling_wait_s:  # oversubscribed cores: nothing runs alongside
             return gather + scatter + extra * regather
         exposed = extra * max(0.0, regather - slowest.work.total)  # prefetched behind the micro-batch's compute
