@@ -44,6 +44,41 @@ def test_dry_run_equals_real_run_of_tiny_recipe(real_and_dry, layout) -> None:
         assert act_real > 0 and abs(act_dry - act_real) <= 0.1 * act_real, (rank, act_dry, act_real)
 
 
+def _planner_collectives(job, coordinates: dict) -> dict:
+    """The planner's prediction for a rank of ``job``, with ``Problem`` and ``Layout`` built as the dry run's
+    comparison builds them (``dryrun/compare.py``)."""
+    from lightning_hybrid.dryrun.cli import _check
+    from lightning_hybrid.hardware import SYSTEM_GPUS
+    from lightning_hybrid.planner.collectives import predicted_collectives
+    from lightning_hybrid.planner.search import Layout, Problem
+    from lightning_hybrid.planner.step_time import Hardware
+
+    options, dims, config, _ = _check(job)
+    m = options.num_microbatches if dims.pp > 1 else 1
+    layout = Layout(tp=dims.tp, pp=dims.pp, dp=dims.dp, data_parallel=options.data_parallel,
+                    micro_batch_size=job.batch_size // m, microbatches=m,
+                    schedule=options.pp_schedule if dims.pp > 1 else "none", virtual_stages=options.virtual_stages,
+                    recompute=options.activation_checkpointing, sequence_parallel=options.sequence_parallel)
+    problem = Problem(config, Hardware(SYSTEM_GPUS["h100"], job.world_size, job.devices_per_node), job.seq_len,
+                      job.batch_size * dims.dp, job.precision)
+    return predicted_collectives(problem, layout, coordinates["pp"], m, gradient_clipping=bool(job.gradient_clip_val),
+                                 selective_ac=options.selective_ac)
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_planner_predicts_the_traced_collectives_of_the_tiny_recipe(real_and_dry, layout) -> None:
+    # Exact: calls and bytes per mesh dimension and kind, for every rank, against the real run and the dry run.
+    from lightning_hybrid.dryrun.recipe import load_job
+
+    job = load_job(str(TINY)).with_strategy(**LAYOUTS[layout])
+    for rank in range(4):
+        dry, real = real_and_dry[(layout, rank)]["dry"], real_and_dry[(layout, rank)]["real"]
+        predicted = _planner_collectives(job, real["coordinates"])
+        assert predicted == real["collectives"], f"rank {rank}: predicted {predicted}, real {real['collectives']}"
+        assert predicted == dry["collectives"], f"rank {rank}: predicted {predicted}, dry {dry['collectives']}"
+
+
 def test_roles_of_the_72b_recipe_are_one_per_pipeline_stage() -> None:
     from lightning_hybrid.dryrun.cli import _check
     from lightning_hybrid.dryrun.recipe import load_job

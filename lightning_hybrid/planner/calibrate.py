@@ -44,12 +44,14 @@ CPU_GLOO_BUS_GBS = 1.0
 replaces it."""
 CPU_GLOO_LATENCY_S = 150e-6
 """Fixed cost of one gloo collective on one machine, seconds; a preflight replaces it."""
-CPU_SCHEDULING_WAIT_S = 0.012
+CPU_SCHEDULING_WAIT_S = 0.008
 """More processes than cores: what one step of a blocking collective (TP's all-reduces, a pipeline's receive) waits
 for its peer to be scheduled, seconds (``Hardware.scheduling_wait_s``). About one scheduler time slice of Linux's
 CFS with a few runnable processes per core; the one constant chosen on ``benchmarks/planner_accuracy.py``'s
-measurements (28 layouts, 4 processes on 2 cores): any value from 4 to 20 ms meets the targets there (median error
-7-11%, Spearman 0.85-0.98, the planner's choice measured fastest); 0 gives 15%, 0.67 and the 7th."""
+measurements (28 layouts, 4 processes on 2 cores): any value from 2 to 20 ms meets the targets there (median error
+6.5-15%, Spearman 0.85-0.98, the planner's choice measured fastest); 0 gives 15%, 0.76 and the 7th. It was 12 ms
+while the time model counted 4 TP all-reduces per block instead of the 7 this project issues without sequence
+parallel (``planner/collectives.py``): the wait made up for the missing ones."""
 CPU_TIME_MODEL = TimeModel(gemm_knee=24.0, tp_overlap_exposed=1.0, attention_efficiency=0.25, hbm_efficiency=1.0)
 """CPU kernels: small GEMMs lose less to tiling than on a GPU (knee 24, not 664); attention (SDPA's math path on
 CPU) reaches about a quarter of the matmul speed; elementwise ops move bytes at the measured copy bandwidth."""

@@ -131,9 +131,10 @@ def assumptions(p: Problem) -> list[str]:
         f"latency {hw.intra_latency_s * 1e6:g} us "
         f"in a node, {hw.inter_latency_s * 1e6:g} us across; TP comm in the critical path (torch's TP), the logits "
         "gathered for the loss; replicate all-reduces gradients once per step after backward; FSDP per micro-batch "
-        "(no pipeline) overlaps with compute, under a pipeline once per step, exposed",
+        "(no pipeline) overlaps with compute; under a pipeline the stage is gathered and reduced once per step, "
+        "exposed, and each block re-gathered per micro-batch behind compute",
         "recompute: selective reruns the elementwise forward (no matmul, no collective); full reruns the whole "
-        "forward (+1/3 of GEMM and attention time, and the forward TP collectives)",
+        "forward (+1/3 of GEMM and attention time, and the forward TP collectives up to the last saved tensor)",
         "pipeline bubble (pp-1)/v micro-batch times of the slowest stage plus warm-up/cool-down point-to-point",
         f"global batch {p.global_batch} sequences x {p.seq_len} tokens; MFU uses 6N + 12 L h s model FLOPs",
     ]

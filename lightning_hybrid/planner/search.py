@@ -20,6 +20,7 @@ from lightning_hybrid.distributed.data_parallel import GRADIENT_BUCKET_BYTES
 from lightning_hybrid.distributed.parallel_dims import divisors, tied_embedding_error
 from lightning_hybrid.distributed.pipeline.schedules import validate_schedule
 from lightning_hybrid.models.qwen2.config import Qwen2Config, flops_per_token
+from lightning_hybrid.planner.collectives import fsdp_block_gathers, tp_all_reduce_equivalents
 from lightning_hybrid.planner.memory import (
     PRECISIONS,
     RECOMPUTE,
@@ -51,10 +52,9 @@ __all__ = ["Layout", "Estimate", "estimate", "search", "explain", "rank_memory",
 PIPELINE_SCHEDULES = (("1f1b", 1), ("interleaved_1f1b", 2), ("interleaved_1f1b", 4))
 MICRO_BATCH_SIZES = (1, 2, 4, 8, 16)
 # TP collectives of the activations per block and micro-batch, in all-reduces (a reduce-scatter + all-gather pair
-# of sequence parallelism moves the same bus bytes): attention and MLP outputs forward, their input gradients
-# backward. Full recompute repeats the two forward ones (counted as recompute).
-TP_ALL_REDUCES_PER_BLOCK = 4
-TP_ALL_REDUCES_FORWARD = 2
+# of sequence parallelism moves the same bus bytes): planner/collectives.py's tp_all_reduce_equivalents, held
+# against the traced steps (without sequence parallel 2 forward + 5 backward, one per colwise projection; full
+# recompute replays 1, counted as recompute).
 FSDP_BLOCKS_IN_FLIGHT = 2  # without a pipeline, the running block and the prefetched one are gathered
 P2P_PER_BOUNDARY = 2  # warm-up sends activations forward, cool-down sends their gradients back
 # Memory passes of one AdamW step per parameter element: the parameter is read and written, the gradient
@@ -371,15 +371,16 @@ def _block_work(problem: Problem, layout: Layout, tokens: int) -> _Work:
         forward_bytes += AUTOCAST_WEIGHT_CAST_BYTES * sum(k * n for k, n in shapes.values())
     elementwise = _hbm_seconds(problem, forward_bytes)
     one = _tp_seconds(problem, layout, "all_reduce", tokens * c.hidden_size * a) if layout.tp > 1 else 0.0
+    per_block, replayed = tp_all_reduce_equivalents(layout.sequence_parallel)
     recompute = 0.0
     if layout.recompute == "full":  # the whole forward again: a third of the GEMMs and of attention
-        recompute = (sum(gemms.values()) + attention) / 3 + elementwise + TP_ALL_REDUCES_FORWARD * one
+        recompute = (sum(gemms.values()) + attention) / 3 + elementwise + replayed * one
     elif layout.recompute == "selective":
         policy = SELECTIVE_POLICIES[rt.selective]
         gathers = policy.tp_all_gathers / 2 * one if layout.sequence_parallel else 0.0
         recompute = sum(gemms[name] for name in policy.matmuls) / 3 + elementwise + gathers
     return _Work(gemm=sum(gemms.values()), attention=attention, elementwise=elementwise * (1 + ELEMENTWISE_BACKWARD),
-                 recompute=recompute, tp=TP_ALL_REDUCES_PER_BLOCK * one,
+                 recompute=recompute, tp=per_block * one,
                  gemm_flops=sum(6 * tokens * k * n for k, n in shapes.values()),
                  cp=_cp_seconds(problem, layout, tokens))
 
@@ -459,8 +460,15 @@ def _data_parallel_seconds(problem: Problem, layout: Layout, shape: _LayoutShape
     gather = dp_collective("all_gather", state["stage_param_numel"] * param_bytes)
     scatter = dp_collective("reduce_scatter", state["stage_param_numel"] * prec.grad) + _replica_all_reduce(
         problem, layout, state["stage_param_numel"] * prec.grad / layout.shard_ranks)
-    if layout.pp > 1:
-        return max(0.0, gather + scatter - window) if rt.dp_overlap else gather + scatter
+    if layout.pp > 1:  # the stage once, and each block again m times (fsdp_block_gathers), reduced once
+        regather = dp_collective("all_gather", _block_numel(problem.config, layout.tp) * param_bytes) * state["blocks"]
+        # traced for 1F1B and GPipe; the multi-stage schedules' UNSHARD/RESHARD actions are not: once per step there
+        single = layout.virtual_stages == 1 and layout.schedule in ("1f1b", "gpipe")
+        extra = fsdp_block_gathers(layout.pp, layout.microbatches) - 1 if single else 0
+        if hw.scheduling_wait_s:  # oversubscribed cores: nothing runs alongside
+            return gather + scatter + extra * regather
+        exposed = extra * max(0.0, regather - slowest.work.total)  # prefetched behind the micro-batch's compute
+        return (max(0.0, gather + scatter - window) if rt.dp_overlap else gather + scatter) + exposed
     per_microbatch = 2 * gather + scatter  # forward and backward all-gather, one reduce-scatter
     if hw.scheduling_wait_s:  # oversubscribed cores: no core is free to run the prefetched collectives alongside
         return layout.microbatches * per_microbatch

@@ -14,17 +14,22 @@ fitted on published runs (``benchmarks/planner_published.py``; ``docs/planner.md
   (:func:`elementwise_bytes`, counted op by op for this implementation, or once per fused region with
   ``torch.compile``/fused kernels) at ``HBM bandwidth x HBM_EFFICIENCY``; backward moves
   ``ELEMENTWISE_BACKWARD`` times the forward's bytes.
-* recompute: full recompute reruns every forward (GEMMs, attention, elementwise, the forward TP collectives);
+* recompute: full recompute reruns every forward (GEMMs, attention, elementwise, the forward TP collectives up to
+  the block's last saved tensor: torch's checkpoint stops there, before the MLP's output collective);
   this project's selective ("op") policy reruns the elementwise forward only; torchtitan's "every other
   matmul" policy also reruns k, o and up.
-* TP: per block, two collectives of the activations forward and two backward (all-reduce, or reduce-scatter +
-  all-gather with sequence parallel: the same bus traffic), in the critical path (torch's TP runs them on the
-  compute stream); with async TP / Megatron's overlap ``TimeModel.tp_overlap_exposed`` of them stays exposed.
+* TP: per block, two collectives of the activations forward and two backward with sequence parallel
+  (reduce-scatter + all-gather pairs, an all-reduce's bus traffic each); without it two all-reduces forward and five
+  backward, one per colwise projection, as torch's TP styles issue them here (``planner/collectives.py``); in the
+  critical path (torch's TP runs them on the compute stream); with async TP / Megatron's overlap
+  ``TimeModel.tp_overlap_exposed`` of them stays exposed.
 * PP: a bubble of ``(pp - 1) / v`` micro-batch times of the slowest rank, plus the point-to-point transfers of
   warm-up and cool-down (steady-state transfers overlap with compute).
 * DP: ``replicate`` all-reduces the gradients once per step after backward (exposed); FSDP without a pipeline
   gathers in forward and backward and reduce-scatters per micro-batch, prefetch hiding it behind compute up to
-  the compute time; FSDP under a pipeline gathers and reduce-scatters once per step, exposed. With
+  the compute time; FSDP under a 1F1B or GPipe pipeline gathers the stage once and each block again once per
+  micro-batch (torch reshards a block after each forward; the re-gathers hide behind compute like prefetch) and
+  reduce-scatters once per step, exposed. With
   ``Runtime.dp_overlap`` (Megatron's overlapped gradient reduce and parameter gather) the per-step collectives
   hide behind the last micro-batch's compute.
 * the optimizer step, bound by memory bandwidth.

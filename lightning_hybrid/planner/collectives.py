@@ -1,0 +1,283 @@
+"""The collectives one pipeline rank issues in one training step, per mesh dimension: ``{dim: {kind: [calls, bytes]}}``.
+
+A closed form of what this project's code issues (held call for call against the dry run's and the real run's
+``CollectiveCounter`` in ``tests/test_dry_run.py`` and ``tests/test_planner_collectives.py``). The bytes of a call
+are its largest buffer, as the counter counts them: the gathered output of an all-gather, the input of a
+reduce-scatter, the tensor of an all-reduce, send, receive or broadcast. ``T`` is the tokens of one micro-batch,
+``A = T h b`` an activation of the residual stream and ``L = T V b`` the logits, at ``b`` bytes per element: the
+stage's dtype (bf16 when FSDP gathers bf16 weights under ``bf16-mixed`` or under ``bf16-true``, else fp32; DTensor
+runs the TP matmuls on the gathered weights' dtype, so autocast does not make them bf16 on fp32 weights).
+
+**tp** (per micro-batch; torch's ``ColwiseParallel``/``RowwiseParallel`` plans of ``tensor_parallel.py``):
+
+* Without sequence parallel, per block: forward 2 all-reduces ``A`` (o_proj and down_proj outputs); backward 5
+  (the input gradient of each colwise projection q, k, v, gate and up: each module turns its plain input into its
+  own replicated DTensor, so their gradients are reduced one by one, not once per attention/MLP as in Megatron).
+  The embedding: 1 all-reduce forward. The head: 1 all-reduce of its input gradient and 1 all-gather of the
+  logits ``L`` (the loss sees the full vocabulary).
+* With sequence parallel, per block: forward 2 all-gathers ``A`` (attention and MLP inputs) and 2 reduce-scatters
+  ``A`` (their outputs), backward the same; the 2 norm weights' gradients are partial sums over the sequence shards
+  and are all-reduced (``h`` elements each) by FSDP's gradient reduction; without FSDP (``replicate``, or a
+  pipeline with ``dp=1``) no collective reduces them: the traced steps issue none, and each TP rank keeps its own
+  partial gradient. The embedding: 1 reduce-scatter forward, 1 all-gather backward. The
+  head: 1 all-gather of its input and 1 of the logits forward, 1 reduce-scatter backward, and its norm's gradient
+  all-reduced. The norm all-reduces come once per FSDP gradient reduction: per micro-batch in the parameters'
+  dtype without a pipeline, once per step in the reduction dtype (fp32) when a pipeline accumulates them.
+* Recompute: ``full`` (and every k-th block of ``selective_ac=k``) replays the block's forward up to its last saved
+  tensor (torch's non-reentrant checkpoint stops there): the 2 all-reduces minus the last (+1), or under sequence
+  parallel the 2 all-gathers and the first reduce-scatter (+2, +1). ``selective`` with ``op`` saves collective
+  outputs: nothing repeats; ``attention`` replays attention up to its last saved tensor, before o_proj's collective.
+
+**dp**, FSDP2 (one unit per block, a root unit of the embedding, final norm and head the rank holds):
+
+* Without a pipeline, per micro-batch: every unit all-gathered in forward, each block again in backward (the root
+  stays gathered, ``reshard_after_forward=False``), every unit reduce-scattered: ``1 + 2 n`` all-gathers and
+  ``n + 1`` reduce-scatters for ``n`` blocks.
+* Under a 1F1B or GPipe pipeline torch keeps the units gathered after each backward and reduce-scatters once per
+  step; a block is resharded after each forward, so it is gathered by every forward that follows a forward (the
+  warm-up) and every backward that follows a forward: ``m + 1`` times for ``m`` micro-batches, on every rank.
+  The root is gathered once.
+* Bytes: the unit's TP-local elements padded to ``dp`` equal dim-0 shards, times the gather dtype (bf16 under
+  bf16 precisions) or times the reduction dtype (fp32).
+* ``replicate``: the gradients are all-reduced once per step in buckets of about 25 MiB (greedily, in parameter
+  order; torch's vocabulary-parallel embedding has a full-table gradient), in fp32.
+* With a pipeline, the last stage all-reduces the label-token count and the loss sum (4 bytes each).
+
+**pp**: per micro-batch a stage that has a next stage sends its output and receives its gradient, one that has a
+previous stage receives its input and sends its gradient (``mbs x seq x h``, the sequence shard under sequence
+parallel); once per step the loss statistics are broadcast from the last stage (8 bytes).
+
+**world**: the gradient-norm clipping's all-reduce of the squared norm (a float64); without a pipeline also the
+loss statistics' all-reduce (8 bytes). A mesh dimension as large as the world is reported as ``world``.
+
+Not modelled (``ValueError``): context parallelism, HSDP, and schedules other than 1F1B and GPipe with one stage
+per rank.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import defaultdict
+from typing import TYPE_CHECKING, Callable, Optional, Union
+
+from lightning_hybrid.distributed.data_parallel import GRADIENT_BUCKET_BYTES
+from lightning_hybrid.planner.memory import chunk_rows, rank_parameter_shapes, split_blocks
+
+if TYPE_CHECKING:
+    from lightning_hybrid.planner.search import Layout, Problem
+
+__all__ = ["predicted_collectives", "COLWISE_PER_BLOCK", "tp_all_reduce_equivalents", "fsdp_block_gathers"]
+
+Table = dict[str, dict[str, list[int]]]
+Add = Callable[[str, str, int, int], None]  # (dimension, kind, calls, bytes of each call)
+
+COLWISE_PER_BLOCK = 5  # q, k, v, gate, up: one input-gradient all-reduce each without sequence parallel
+_SCHEDULES = ("none", "1f1b", "gpipe")
+_SCALAR = 4  # a float32 loss statistic
+_NORM_SQUARED = 8  # the float64 squared gradient norm
+
+
+def tp_all_reduce_equivalents(sequence_parallel: bool) -> tuple[float, float]:
+    """TP traffic of one block and micro-batch in all-reduces of the residual stream (an all-gather and a
+    reduce-scatter make one): (forward and backward, added by a replayed forward). The planner's time model uses it.
+
+    Without sequence parallel 2 + 5 (the colwise projections' input gradients, one by one) and 1 replayed (the
+    down projection's, after the last saved tensor, is not); with it 4 pairs, and 2 all-gathers and 1
+    reduce-scatter replayed.
+    """
+    return (4.0, 1.5) if sequence_parallel else (2.0 + COLWISE_PER_BLOCK, 1.0)
+
+
+def fsdp_block_gathers(pp: int, microbatches: int) -> int:
+    """All-gathers of one FSDP block unit per step: forward and backward of each micro-batch without a pipeline;
+    ``m + 1`` under a 1F1B or GPipe pipeline (the warm-up forwards and each backward that follows a forward)."""
+    return 2 * microbatches if pp == 1 else microbatches + 1
+
+
+def _stage_bytes(problem: "Problem", layout: "Layout") -> int:
+    """Bytes per element of the stage's activations (and of TP collectives, pipeline messages, FSDP gathers)."""
+    if problem.precision == "bf16-true":
+        return 2
+    fsdp_bf16 = problem.precision == "bf16-mixed" and layout.data_parallel == "fsdp" and layout.dp > 1
+    return 2 if fsdp_bf16 else 4
+
+
+def _check(layout: "Layout") -> None:
+    if layout.cp > 1 or layout.data_parallel == "hsdp":
+        raise ValueError(f"cp={layout.cp}, data_parallel={layout.data_parallel!r}: the collectives of context "
+                         f"parallelism and HSDP are not modelled; use cp=1 and fsdp or replicate")
+    if layout.pp > 1 and (layout.schedule not in _SCHEDULES[1:] or layout.virtual_stages != 1):
+        raise ValueError(f"schedule={layout.schedule!r} with virtual_stages={layout.virtual_stages}: only 1f1b and "
+                         f"gpipe with one stage per rank are modelled")
+
+
+def _dimension_names(layout: "Layout") -> dict[str, Optional[str]]:
+    """Mesh dimension -> the name the counter files it under (``world`` when it spans the world, ``None`` when a
+    dimension of size 1 issues nothing)."""
+    world = layout.tp * layout.pp * layout.dp
+    sizes = {"pp": layout.pp, "dp": layout.dp, "tp": layout.tp}
+    names: dict[str, Optional[str]] = {d: (None if n == 1 else "world" if n == world else d) for d, n in sizes.items()}
+    names["world"] = "world" if world > 1 else None
+    return names
+
+
+def _rank_parts(problem: "Problem", layout: "Layout", pp_rank: int) -> tuple[list[int], bool, bool]:
+    """(global block indices, holds the embedding, holds the head) of pipeline rank ``pp_rank``."""
+    counts = split_blocks(problem.config, layout.pp)
+    start = sum(counts[:pp_rank])
+    return list(range(start, start + counts[pp_rank])), pp_rank == 0, pp_rank == layout.pp - 1
+
+
+def _replayed(recompute: str, selective_ac: Union[str, int], block: int) -> bool:
+    """Whether the block's whole forward is replayed in backward (full recompute, or a k-th block)."""
+    if recompute == "full":
+        return True
+    return recompute == "selective" and not isinstance(selective_ac, str) and block % int(selective_ac) == 0
+
+
+def _tensor_parallel(add: Add, problem: "Problem", layout: "Layout", pp_rank: int, m: int,
+                     selective_ac: Union[str, int]) -> None:
+    """TP collectives of ``m`` micro-batches (see the module docstring)."""
+    c, b = problem.config, _stage_bytes(problem, layout)
+    blocks, embedding, head = _rank_parts(problem, layout, pp_rank)
+    act = layout.micro_batch_size * problem.seq_len * c.hidden_size * b
+    logits = layout.micro_batch_size * problem.seq_len * c.vocab_size * b
+    replayed = sum(_replayed(layout.recompute, selective_ac, i) for i in blocks)
+    if not layout.sequence_parallel:
+        add("tp", "all_reduce", m * (len(blocks) * (2 + COLWISE_PER_BLOCK) + replayed + embedding + head), act)
+        add("tp", "all_gather", m * head, logits)
+        return
+    add("tp", "all_gather", m * (4 * len(blocks) + 2 * replayed + embedding + head), act)
+    add("tp", "reduce_scatter", m * (4 * len(blocks) + replayed + embedding + head), act)
+    add("tp", "all_gather", m * head, logits)
+    # the norm weights' partial gradients are reduced by FSDP's gradient reduction only (none without FSDP)
+    norms = (2 * len(blocks) + head) if layout.data_parallel == "fsdp" and layout.dp > 1 else 0
+    if layout.pp > 1:
+        add("tp", "all_reduce", norms, c.hidden_size * 4)  # accumulated in fp32, reduced at the step's end
+    else:
+        add("tp", "all_reduce", m * norms, c.hidden_size * b)
+
+
+def _unit_numel(shapes: dict[str, tuple[int, ...]], dp: int) -> int:
+    """Elements of an FSDP unit's all-gather output: each tensor padded to ``dp`` equal dim-0 shards."""
+    return sum(dp * chunk_rows(s[0], dp, 0) * math.prod(s[1:]) for s in shapes.values())
+
+
+def _fsdp(add: Add, problem: "Problem", layout: "Layout", pp_rank: int, m: int) -> None:
+    """FSDP2's all-gathers and reduce-scatters (see the module docstring)."""
+    c, dp = problem.config, layout.dp
+    blocks, embedding, head = _rank_parts(problem, layout, pp_rank)
+    gather_bytes = 2 if problem.precision.startswith("bf16") else 4
+    block = _unit_numel(rank_parameter_shapes(c, layout.tp, 0, [0], embedding=False, head=False), dp)
+    root_shapes = rank_parameter_shapes(c, layout.tp, 0, [], embedding=embedding, head=head,
+                                        num_stages=layout.pp)
+    root = _unit_numel(root_shapes, dp)
+    roots = 1 if root else 0
+    # without a pipeline every micro-batch is a step of its own; a pipeline gathers blocks m + 1 times, reduces once
+    gathers, (root_gathers, scatters) = fsdp_block_gathers(layout.pp, m), ((m, m) if layout.pp == 1 else (1, 1))
+    add("dp", "all_gather", gathers * len(blocks), block * gather_bytes)
+    add("dp", "all_gather", root_gathers * roots, root * gather_bytes)
+    add("dp", "reduce_scatter", scatters * len(blocks), block * 4)
+    add("dp", "reduce_scatter", scatters * roots, root * 4)
+
+
+def _replicate(add: Add, problem: "Problem", layout: "Layout", pp_rank: int) -> None:
+    """The bucketed gradient all-reduces of ``replicate`` (``all_reduce_gradients``), once per step, in fp32."""
+    c = problem.config
+    blocks, embedding, head = _rank_parts(problem, layout, pp_rank)
+    shapes = rank_parameter_shapes(c, layout.tp, 0, blocks, embedding=embedding, head=head, num_stages=layout.pp)
+    grads = [math.prod(s) for s in _registration_order(shapes).values()]
+    if embedding and layout.tp > 1:  # the vocabulary-parallel embedding's gradient is the full table
+        grads[0] = c.vocab_size * c.hidden_size
+    grad_bytes = 2 if problem.precision == "bf16-true" else 4
+    buckets: list[int] = [0]
+    for numel in grads:
+        if buckets[-1] * grad_bytes > GRADIENT_BUCKET_BYTES:
+            buckets.append(0)
+        buckets[-1] += numel
+    for numel in buckets:
+        add("dp", "all_reduce", 1, numel * 4)
+
+
+_BLOCK_ORDER = ("input_layernorm", "self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
+                "post_attention_layernorm", "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")
+
+
+def _registration_order(shapes: dict[str, tuple[int, ...]]) -> dict[str, tuple[int, ...]]:
+    """The parameters in ``model.parameters()`` order: embedding, blocks (modules as the block registers them),
+    final norm, head."""
+    def key(name: str) -> tuple:
+        if name.startswith("embed_tokens"):
+            return (0,)
+        if name.startswith("layers."):
+            _, index, rest = name.split(".", 2)
+            module = next(i for i, prefix in enumerate(_BLOCK_ORDER) if rest.startswith(prefix + "."))
+            return (1, int(index), module, rest.endswith("bias"))
+        return (2, name != "norm.weight")
+
+    return {name: shapes[name] for name in sorted(shapes, key=key)}
+
+
+def _pipeline_and_step(add: Add, problem: "Problem", layout: "Layout", pp_rank: int, m: int,
+                       gradient_clipping: bool) -> None:
+    """Pipeline messages, the loss statistics and the gradient-norm all-reduce."""
+    if layout.pp > 1:
+        seq = problem.seq_len // layout.tp if layout.sequence_parallel else problem.seq_len
+        message = layout.micro_batch_size * seq * problem.config.hidden_size * _stage_bytes(problem, layout)
+        neighbours = (pp_rank > 0) + (pp_rank < layout.pp - 1)
+        add("pp", "send", m * neighbours, message)
+        add("pp", "recv", m * neighbours, message)
+        add("pp", "broadcast", 1, 2 * _SCALAR)
+        if pp_rank == layout.pp - 1:
+            add("dp", "all_reduce", 2, _SCALAR)
+    else:
+        add("world", "all_reduce", 1, 2 * _SCALAR)
+    if gradient_clipping:
+        add("world", "all_reduce", 1, _NORM_SQUARED)
+
+
+def predicted_collectives(problem: "Problem", layout: "Layout", pp_rank: int,
+                          traced_microbatches: Optional[int] = None, *, gradient_clipping: bool = True,
+                          selective_ac: Union[str, int] = "op") -> Table:
+    """The collectives pipeline rank ``pp_rank`` of ``layout`` issues in one step (module docstring).
+
+    Args:
+        problem: the model, sequence length and precision (the hardware is not used).
+        layout: sizes, data-parallel mode, micro-batch size, schedule, recompute, sequence parallel.
+        pp_rank: the rank's pipeline coordinate.
+        traced_microbatches: micro-batches of the step; ``None`` for the layout's own (``layout.microbatches``
+            with a pipeline, 1 without: one Lightning step). The dry run traces fewer of a pipeline's.
+        gradient_clipping: the Trainer clips by the global norm (``gradient_clip_val``).
+        selective_ac: the strategy's ``selective_ac`` (``"op"``, ``"attention"`` or a block stride).
+
+    Returns:
+        ``{dim: {kind: [calls, bytes]}}`` with dims ``pp``, ``dp``, ``tp``, ``world``, sorted as the dry run's.
+
+    Raises:
+        ValueError: a pipeline coordinate out of range or a layout that is not modelled (see the module docstring).
+    """
+    _check(layout)
+    if not 0 <= pp_rank < layout.pp:
+        raise ValueError(f"pp_rank={pp_rank} is out of range for pp={layout.pp}; use 0 to {layout.pp - 1}")
+    m = traced_microbatches if traced_microbatches is not None else (layout.microbatches if layout.pp > 1 else 1)
+    names = _dimension_names(layout)
+    table: dict[str, dict[str, list[int]]] = defaultdict(lambda: defaultdict(lambda: [0, 0]))
+
+    def add(dim: str, kind: str, calls: int, each: int) -> None:
+        name = names[dim]
+        if name is None or calls == 0:
+            return
+        entry = table[name][kind]
+        entry[0] += calls
+        entry[1] += calls * each
+
+    if layout.tp > 1:
+        _tensor_parallel(add, problem, layout, pp_rank, m, selective_ac)
+    if layout.dp > 1:
+        if layout.data_parallel == "fsdp":
+            _fsdp(add, problem, layout, pp_rank, m)
+        else:
+            _replicate(add, problem, layout, pp_rank)
+    _pipeline_and_step(add, problem, layout, pp_rank, m, gradient_clipping)
+    return {dim: {kind: list(v) for kind, v in sorted(kinds.items())} for dim, kinds in sorted(table.items())}
+
