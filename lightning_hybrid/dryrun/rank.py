@@ -22,7 +22,14 @@ from typing import Any, Optional
 
 import torch
 
-from lightning_hybrid.dryrun.accounting import CollectiveCounter, MemoryPeaks, mesh_dimension_groups, state_bytes
+from lightning_hybrid.dryrun.accounting import (
+    CollectiveCounter,
+    MemoryLimitExceeded,
+    MemoryPeaks,
+    mesh_dimension_groups,
+    model_state_bytes,
+    state_bytes,
+)
 from lightning_hybrid.dryrun.recipe import DryRunJob
 
 __all__ = ["RankResult", "run_rank", "stage_examples", "build_trainer"]
@@ -41,6 +48,13 @@ class RankResult:
     collectives: dict[str, dict[str, list[int]]]
     seconds: float
     extra: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def stopped(self) -> Optional[str]:
+        """Why the trace stopped before the step's end, or ``None``: ``"model state"`` (parameters, gradients and
+        optimizer state alone exceed the limit, known right after setup) or ``"step"`` (the bytes held went over the
+        limit during the step: the peak is at least ``total_peak``)."""
+        return self.extra.get("stopped")
 
     @property
     def activation_peak(self) -> int:
@@ -153,8 +167,11 @@ def _step(trainer: Any, module: Any, batch: tuple[torch.Tensor, torch.Tensor],
 
 
 def run_rank(job: DryRunJob, rank: int, fake: bool = True, warmup_steps: int = 0,
-             config_name: Optional[str] = None) -> RankResult:
+             config_name: Optional[str] = None, limit: Optional[float] = None) -> RankResult:
     """Build rank ``rank`` of ``job`` and trace one step (after ``warmup_steps`` untraced ones).
+
+    With a ``limit`` (bytes), a rank that cannot fit stops as soon as that is certain (:attr:`RankResult.stopped`):
+    right after setup when its model state alone exceeds it, else the moment the bytes held in the step do.
 
     On the fake backend (``fake=True``) this process joins a fake world of the job's size; otherwise the default
     process group must already be the real one (a torchrun worker).
@@ -178,7 +195,7 @@ def run_rank(job: DryRunJob, rank: int, fake: bool = True, warmup_steps: int = 0
     try:
         with fake_world(rank, job.world_size) if fake else contextlib.nullcontext():
             try:
-                return _build_and_trace(job, rank, fake, warmup_steps, start)
+                return _build_and_trace(job, rank, fake, warmup_steps, start, limit)
             finally:
                 if entered:
                     mode.__exit__(None, None, None)
@@ -186,22 +203,36 @@ def run_rank(job: DryRunJob, rank: int, fake: bool = True, warmup_steps: int = 0
         remove()
 
 
-def _build_and_trace(job: DryRunJob, rank: int, fake: bool, warmup_steps: int, start: float) -> RankResult:
+def _build_and_trace(job: DryRunJob, rank: int, fake: bool, warmup_steps: int, start: float,
+                     limit: Optional[float] = None) -> RankResult:
     trainer, module = _setup(job, rank, fake)
     strategy = trainer.strategy
+    stages = [s.stage_index for s in strategy.pipeline.stages] if strategy.pipeline is not None else [0]
+    result = RankResult(rank=rank, coordinates=strategy.dims.coordinates(rank), stages=stages, state={},
+                        kind_peaks={}, peak={}, collectives={}, seconds=0.0)
+    floor = model_state_bytes(module.model, strategy.optimizers)
+    if limit is not None and sum(floor.values()) > limit:
+        peak = {"Parameter": floor["parameters"], "Gradient": floor["gradients"], "Optstate": floor["optimizer"]}
+        result.state, result.kind_peaks, result.peak = floor, dict(peak), {**peak, "Total": sum(floor.values())}
+        result.extra["stopped"] = "model state"
+        result.seconds = time.perf_counter() - start
+        return result
     generator = torch.Generator().manual_seed(job.seed)
     ids = torch.randint(0, module.config.vocab_size, (job.batch_size, job.seq_len), generator=generator)
     batch = (ids, ids.clone())
     for _ in range(warmup_steps):
         _step(trainer, module, batch)
-    tracker = MemoryPeaks()
+    tracker = MemoryPeaks(limit)
     tracker.track_external(module.model, *strategy.optimizers)
     counter = CollectiveCounter(mesh_dimension_groups(strategy.device_mesh, job.world_size))
-    with tracker, counter:
-        grads = _step(trainer, module, batch, tracker)
-    state = state_bytes(module.model, strategy.optimizers)
-    state["gradients"] = grads.get("gradients", 0)
-    stages = [s.stage_index for s in strategy.pipeline.stages] if strategy.pipeline is not None else [0]
-    return RankResult(rank=rank, coordinates=strategy.dims.coordinates(rank), stages=stages, state=state,
-                      kind_peaks=dict(tracker.kind_peaks), peak=tracker.peak_breakdown(),
-                      collectives=counter.table(), seconds=time.perf_counter() - start)
+    grads: dict[str, int] = {}
+    try:
+        with tracker, counter:
+            grads = _step(trainer, module, batch, tracker)
+    except MemoryLimitExceeded:
+        result.extra["stopped"] = "step"
+    result.state = state_bytes(module.model, strategy.optimizers)
+    result.state["gradients"] = grads.get("gradients", result.state["gradients"])
+    result.kind_peaks, result.peak = dict(tracker.kind_peaks), tracker.peak_breakdown()
+    result.collectives, result.seconds = counter.table(), time.perf_counter() - start
+    return result
