@@ -77,7 +77,8 @@ def model_state_bytes(module: nn.Module, optimizers: Iterable[torch.optim.Optimi
 
 
 class MemoryLimitExceeded(RuntimeError):
-    """Raised by :class:`MemoryPeaks` the moment the bytes held exceed its ``limit``: the peak can only be higher."""
+    """Raised by :class:`MemoryPeaks` the moment the bytes held exceed its ``limit``: the peak can only be higher.
+    DTensor re-raises it as a plain ``RuntimeError``; :attr:`MemoryPeaks.exceeded` tells either apart."""
 
 
 class MemoryPeaks(MemTracker):
@@ -95,6 +96,7 @@ class MemoryPeaks(MemTracker):
         super().__init__()
         self.kind_peaks: dict[str, int] = defaultdict(int)
         self.limit = limit
+        self.exceeded = False  # set when the limit was passed (libraries may wrap the exception in their own)
         self._seen: weakref.WeakSet = weakref.WeakSet()
         self._devices: set[Any] = set()
 
@@ -114,6 +116,7 @@ class MemoryPeaks(MemTracker):
         self._raise_peak(_TOTAL_KEY, total)
         if self.limit is not None and total > self.limit:
             self._update_peak_stats(None)
+            self.exceeded = True
             raise MemoryLimitExceeded(f"{total} bytes held > limit {self.limit:.0f}")
 
     def _raise_peak(self, key: str, value: int) -> None:

@@ -24,7 +24,6 @@ import torch
 
 from lightning_hybrid.dryrun.accounting import (
     CollectiveCounter,
-    MemoryLimitExceeded,
     MemoryPeaks,
     mesh_dimension_groups,
     model_state_bytes,
@@ -229,7 +228,10 @@ def _build_and_trace(job: DryRunJob, rank: int, fake: bool, warmup_steps: int, s
     try:
         with tracker, counter:
             grads = _step(trainer, module, batch, tracker)
-    except MemoryLimitExceeded:
+    except Exception:
+        if not tracker.exceeded:
+            raise
+    if tracker.exceeded:
         result.extra["stopped"] = "step"
     result.state = state_bytes(module.model, strategy.optimizers)
     result.state["gradients"] = grads.get("gradients", result.state["gradients"])
