@@ -165,6 +165,19 @@ def _step(trainer: Any, module: Any, batch: tuple[torch.Tensor, torch.Tensor],
     return grads
 
 
+def _hold_optimizer_state(model: Any, optimizers: list[Any]) -> None:
+    """Make the optimizer state that every step but the first holds from its start (AdamW's ``exp_avg``,
+    ``exp_avg_sq`` and ``step``), with the optimizers' own step on zero gradients (fake tensors: the values do not
+    matter): the traced step is then the job's steady state, whose peak is the one that must fit."""
+    params = [p for p in model.parameters() if p.requires_grad]
+    for p in params:
+        p.grad = torch.zeros_like(p)
+    for optimizer in optimizers:
+        optimizer.step()
+    for p in params:
+        p.grad = None
+
+
 def run_rank(job: DryRunJob, rank: int, fake: bool = True, warmup_steps: int = 0,
              config_name: Optional[str] = None, limit: Optional[float] = None) -> RankResult:
     """Build rank ``rank`` of ``job`` and trace one step (after ``warmup_steps`` untraced ones).
@@ -221,6 +234,8 @@ def _build_and_trace(job: DryRunJob, rank: int, fake: bool, warmup_steps: int, s
     batch = (ids, ids.clone())
     for _ in range(warmup_steps):
         _step(trainer, module, batch)
+    if fake and warmup_steps == 0:
+        _hold_optimizer_state(module.model, strategy.optimizers)
     tracker = MemoryPeaks(limit)
     tracker.track_external(module.model, *strategy.optimizers)
     counter = CollectiveCounter(mesh_dimension_groups(strategy.device_mesh, job.world_size))

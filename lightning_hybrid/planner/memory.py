@@ -327,7 +327,10 @@ def activation_model(config: Qwen2Config, tp: int = 1, sequence_parallel: bool =
         layer = full
     elif mode == "selective":
         matmul_outputs = a * (q + 2 * kv + 2 * inter) / tp + 2 * a * h / (tp if sp else 1)
-        layer = block_input + matmul_outputs + (a * q + lse) / tp
+        # under sequence parallel the op policy also keeps the outputs of the collectives: the all-gathered (full
+        # sequence) inputs of the attention and MLP projections, on every TP rank (the dry run of the 72B recipes)
+        gathered = 2 * a * h if sp else 0.0
+        layer = block_input + matmul_outputs + gathered + (a * q + lse) / tp
     else:
         layer = block_input
     vocab = c.vocab_size
