@@ -27,9 +27,10 @@ Wrappers in ``lightning_hybrid.dryrun`` (the dry run on the fake process group):
 - ``fake.DryRunTensorMode``: ``torch._subclasses.fake_tensor.FakeTensorMode`` (``allow_non_fake_inputs``),
   ``FakeTensor`` and ``unset_fake_temporarily``;
 - ``fake.fake_world``: ``torch.testing._internal.distributed.fake_pg.FakeStore`` and the ``"fake"`` backend;
-- ``accounting.MemoryPeaks``: ``torch.distributed._tools.mem_tracker.MemTracker`` and its ``_update_snap``,
-  ``_curr_mem_snap``, ``_in_opt``, ``_in_ac``, ``_ac_mod``, ``_mod_tracker``, ``_track_module_params_and_buffers``
-  and the four module hooks it overrides;
+- ``accounting.MemoryPeaks``: ``torch.distributed._tools.mem_tracker.MemTracker`` and its ``_update_snap`` (its
+  four parameters), ``_update_peak_stats``, ``_curr_mem_snap``, ``_peak_mem``, ``_peak_mem_snap``,
+  ``memory_tracking``, ``_in_opt``, ``_in_ac``, ``_ac_mod``, ``_mod_tracker``, ``_track_module_params_and_buffers``,
+  the module's ``_TOTAL_KEY`` and the four module hooks it overrides;
 - ``accounting._group_of``: ``torch._C._distributed_c10d.ProcessGroup.unbox`` and ``_resolve_process_group``;
 - ``rank._static_stages``: ``torch.distributed.pipelining._utils._StageMeta`` and ``extract_tensor_metas``, and a
   ``PipelineStage``'s ``_user_meta``, ``_warmup_forward_vote`` and ``_warmup_backward_result``.
@@ -420,11 +421,14 @@ def test_fake_world_builds_a_large_mesh_and_returns_collectives_at_once():
 
 def test_memory_peaks_uses_mem_tracker_internals():
     tracker_class = private("torch.distributed._tools.mem_tracker", "MemTracker", MEMORY_PEAKS)
-    for name in ("_update_snap", "_track_module_params_and_buffers", "_pre_fw_hook", "_post_fw_hook",
-                 "_pre_bw_hook", "_post_bw_hook"):
+    assert private("torch.distributed._tools.mem_tracker", "_TOTAL_KEY", MEMORY_PEAKS) == "Total"
+    for name in ("_update_snap", "_update_peak_stats", "_track_module_params_and_buffers", "_pre_fw_hook",
+                 "_post_fw_hook", "_pre_bw_hook", "_post_bw_hook"):
         assert hasattr(tracker_class, name), broken(MEMORY_PEAKS, f"MemTracker.{name} is gone")
+    takes(tracker_class._update_snap, ["u_type", "winfo", "old_mem_consumed", "old_reftype"], MEMORY_PEAKS)
     peaks = wrapper_function(MEMORY_PEAKS)()
-    for name in ("_curr_mem_snap", "_in_opt", "_in_ac", "_ac_mod", "_mod_tracker"):
+    for name in ("_curr_mem_snap", "_peak_mem", "_peak_mem_snap", "memory_tracking", "_in_opt", "_in_ac", "_ac_mod",
+                 "_mod_tracker"):
         assert hasattr(peaks, name), broken(MEMORY_PEAKS, f"MemTracker().{name} is gone")
     model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 8))
     model(torch.ones(2, 8))  # a module called twice in one step (pipeline micro-batches) must be accepted
@@ -432,6 +436,17 @@ def test_memory_peaks_uses_mem_tracker_internals():
         for _ in range(2):
             model(torch.ones(4, 8)).sum().backward()
     assert peaks.kind_peaks["Activation"] >= 4 * 8 * 4 and peaks.peak_breakdown()["Total"] > 0
+    # one step under torch's own MemTracker (which takes one call per module) and under MemoryPeaks: the same peak
+    # and the same breakdown at it
+    reference, peaks = tracker_class(), wrapper_function(MEMORY_PEAKS)()
+    for tracker in (reference, peaks):
+        model.zero_grad(set_to_none=True)
+        with tracker:
+            model(torch.ones(4, 8)).sum().backward()
+    mine = peaks.peak_breakdown()
+    theirs = {getattr(k, "value", k): v for k, v in reference.get_tracker_snapshot("peak")[torch.device("cpu")].items()}
+    assert mine == theirs, broken(MEMORY_PEAKS, f"peak breakdown {mine} != MemTracker's {theirs}")
+    assert peaks.kind_peaks["Total"] == theirs["Total"], broken(MEMORY_PEAKS, str(dict(peaks.kind_peaks)))
 
 
 def test_group_of_resolves_process_groups_of_collectives(gloo_world):

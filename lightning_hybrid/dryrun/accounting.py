@@ -20,11 +20,12 @@ from typing import Any, Iterable, Iterator, Optional
 
 import torch
 from torch import nn
-from torch.distributed._tools.mem_tracker import MemTracker
+from torch.distributed._tools.mem_tracker import _TOTAL_KEY, MemTracker
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
-__all__ = ["state_bytes", "MemoryPeaks", "CollectiveCounter", "mesh_dimension_groups", "COLLECTIVE_NAMESPACES"]
+__all__ = ["state_bytes", "model_state_bytes", "MemoryPeaks", "MemoryLimitExceeded", "CollectiveCounter",
+           "mesh_dimension_groups", "COLLECTIVE_NAMESPACES"]
 
 COLLECTIVE_NAMESPACES = ("c10d", "_c10d_functional", "_c10d_functional_autograd", "_dtensor")
 _NOT_COUNTED = ("wait_tensor", "barrier", "monitored_barrier_")
@@ -58,25 +59,80 @@ def state_bytes(module: nn.Module, optimizers: Iterable[torch.optim.Optimizer] =
     return result
 
 
+def model_state_bytes(module: nn.Module, optimizers: Iterable[torch.optim.Optimizer] = ()) -> dict[str, int]:
+    """``{"parameters", "gradients", "optimizer"}`` that the rank will hold after its first optimizer step, known
+    right after setup: its local parameters, a gradient like each trainable one, and the state torch's Adam and
+    AdamW allocate at their first step (``exp_avg``, ``exp_avg_sq``, ``max_exp_avg_sq`` with ``amsgrad``, shaped like
+    the parameter, and a 4-byte fp32 ``step``). Another optimizer's state counts 0 here (a lower bound)."""
+    params = list(module.parameters())
+    result = {"parameters": sum(_nbytes(p) for p in params),
+              "gradients": sum(_nbytes(p) for p in params if p.requires_grad), "optimizer": 0}
+    for optimizer in optimizers:
+        if not isinstance(optimizer, (torch.optim.Adam, torch.optim.AdamW)):
+            continue
+        for group in optimizer.param_groups:
+            states = 3 if group.get("amsgrad") else 2
+            result["optimizer"] += sum(states * _nbytes(p) + 4 for p in group["params"] if p.requires_grad)
+    return result
+
+
+class MemoryLimitExceeded(RuntimeError):
+    """Raised by :class:`MemoryPeaks` the moment the bytes held exceed its ``limit``: the peak can only be higher.
+    DTensor re-raises it as a plain ``RuntimeError``; :attr:`MemoryPeaks.exceeded` tells either apart."""
+
+
 class MemoryPeaks(MemTracker):
     """torch's ``MemTracker``, also keeping the peak of each kind of memory on its own (``kind_peaks``).
 
     ``MemTracker`` alone reports the breakdown at the moment of the total peak; the activation peak of a pipeline
     rank may come at another moment than its total peak (the optimizer step), so each kind's own maximum is kept.
+
+    Args:
+        limit: bytes; the moment more are held, :class:`MemoryLimitExceeded` is raised (a rank that cannot fit
+            stops there, its peak breakdown so far kept). ``None``: no limit.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, limit: Optional[float] = None) -> None:
         super().__init__()
         self.kind_peaks: dict[str, int] = defaultdict(int)
+        self.limit = limit
+        self.exceeded = False  # set when the limit was passed (libraries may wrap the exception in their own)
         self._seen: weakref.WeakSet = weakref.WeakSet()
+        self._devices: set[Any] = set()
 
-    def _update_snap(self, *args: Any, **kwargs: Any) -> None:  # type: ignore[override]
-        super()._update_snap(*args, **kwargs)
-        for snap in self._curr_mem_snap.values():
+    def _update_snap(self, u_type: Any, winfo: Any, old_mem_consumed: Optional[int] = None,  # type: ignore[override]
+                     old_reftype: Any = None) -> None:
+        super()._update_snap(u_type, winfo, old_mem_consumed, old_reftype)
+        snap = self._curr_mem_snap.get(winfo.device)
+        if snap is None:
+            return
+        if winfo.device not in self._devices:  # every kind present in the peaks from the start, zeros included
+            self._devices.add(winfo.device)
             for kind, value in snap.items():
-                key = getattr(kind, "value", kind)
-                if value > self.kind_peaks[key]:
-                    self.kind_peaks[key] = value
+                self._raise_peak(getattr(kind, "value", kind), value)
+        # Only the kind of this storage and the total can have grown (a free or a move to another kind cannot).
+        self._raise_peak(getattr(winfo.reftype, "value", winfo.reftype), snap[winfo.reftype])
+        total = snap[_TOTAL_KEY]
+        self._raise_peak(_TOTAL_KEY, total)
+        if self.limit is not None and total > self.limit:
+            self._update_peak_stats(None)
+            self.exceeded = True
+            raise MemoryLimitExceeded(f"{total} bytes held > limit {self.limit:.0f}")
+
+    def _raise_peak(self, key: str, value: int) -> None:
+        if value > self.kind_peaks[key]:
+            self.kind_peaks[key] = value
+
+    def _update_peak_stats(self, peak_state: Any) -> None:
+        # ``MemTracker`` also keeps a peak per module it tracks; this class tracks none (see the hooks below), so
+        # only the global peak is kept, with the snapshot copied as a flat dict (ints by kind).
+        if self.memory_tracking:
+            super()._update_peak_stats(peak_state)
+            return
+        for dev, snap in self._curr_mem_snap.items():
+            if self._peak_mem.get(dev, 0) < snap[_TOTAL_KEY]:
+                self._peak_mem[dev] = snap[_TOTAL_KEY]
+                self._peak_mem_snap[dev] = dict(snap)
 
     # ``MemTracker``'s own module hooks keep per-module snapshots and refuse a module that runs twice in a step
     # (every pipeline micro-batch does); only the recompute region they mark is needed here.
@@ -176,6 +232,8 @@ class CollectiveCounter(TorchDispatchMode):
     def __init__(self, groups: dict[tuple[int, ...], str]) -> None:
         super().__init__()
         self.groups = groups
+        self._kinds: dict[Any, Optional[str]] = {}  # operator -> collective kind (None: not a collective)
+        self._dimensions: dict[Any, str] = {}  # process group -> mesh dimension
         self.counts: dict[str, dict[str, list[int]]] = defaultdict(lambda: defaultdict(lambda: [0, 0]))
 
     def _dimension(self, args: tuple) -> str:
@@ -184,14 +242,20 @@ class CollectiveCounter(TorchDispatchMode):
         group = _group_of(args)
         if group is None:
             return "unknown"
-        ranks = tuple(sorted(dist.get_process_group_ranks(group)))
-        return self.groups.get(ranks, "group(" + ",".join(map(str, ranks)) + ")")
+        name = self._dimensions.get(group)
+        if name is None:
+            ranks = tuple(sorted(dist.get_process_group_ranks(group)))
+            name = self._dimensions[group] = self.groups.get(ranks, "group(" + ",".join(map(str, ranks)) + ")")
+        return name
 
     def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: Any = None) -> Any:
         kwargs = kwargs or {}
         result = func(*args, **kwargs)
-        namespace, name = func.namespace, func._schema.name.split("::")[-1]
-        kind = _kind(name) if namespace in COLLECTIVE_NAMESPACES else None
+        try:
+            kind = self._kinds[func]
+        except KeyError:
+            name = func._schema.name.split("::")[-1]
+            kind = self._kinds[func] = _kind(name) if func.namespace in COLLECTIVE_NAMESPACES else None
         if kind is not None:
             sizes = [sum(_nbytes(t) for t in tree_leaves(a) if isinstance(t, torch.Tensor)) for a in args]
             sizes.append(sum(_nbytes(t) for t in tree_leaves(result) if isinstance(t, torch.Tensor)))

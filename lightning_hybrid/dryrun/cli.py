@@ -90,10 +90,10 @@ def traced_microbatches(options: Any, dims: Any) -> int:
     return min(m, 2 * dims.pp * options.virtual_stages)
 
 
-def trace_ranks(job: DryRunJob, ranks: list[int]) -> list[Any]:
+def trace_ranks(job: DryRunJob, ranks: list[int], limit: Optional[float] = None) -> list[Any]:
     """:func:`~lightning_hybrid.dryrun.rank.run_rank` for each rank, each in a fresh process (a process joins one
     world: torch keeps process groups and meshes by name for the life of a process), several at once on a
-    machine with the cores for it."""
+    machine with the cores for it. A rank stops as soon as it is certain to hold more than ``limit`` bytes."""
     import multiprocessing
     import os
     from concurrent.futures import ProcessPoolExecutor
@@ -102,7 +102,8 @@ def trace_ranks(job: DryRunJob, ranks: list[int]) -> list[Any]:
 
     workers = max(1, min(len(ranks), os.cpu_count() or 1))
     with ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("spawn"), max_tasks_per_child=1) as pool:
-        return list(pool.map(run_rank, [job] * len(ranks), ranks))
+        return list(pool.map(run_rank, [job] * len(ranks), ranks, [True] * len(ranks), [0] * len(ranks),
+                             [None] * len(ranks), [limit] * len(ranks)))
 
 
 def _ratio(traced: float, planned: float) -> Optional[float]:
@@ -118,7 +119,8 @@ def _role_report(job: DryRunJob, role: Role, result: Any, prediction: Any) -> di
             "stages": list(role.stages), "traced": traced, "planner": planner,
             "ratio": {k: _ratio(traced[k], planner[k]) for k in planner},
             "peak_breakdown": result.peak, "kind_peaks": result.kind_peaks, "collectives": result.collectives,
-            "fits": result.total_peak <= prediction.usable, "seconds": round(result.seconds, 2)}
+            "fits": result.total_peak <= prediction.usable and result.stopped is None, "stopped": result.stopped,
+            "seconds": round(result.seconds, 2)}
 
 
 def dry_run(job: DryRunJob, ranks: list[int], gpu: str, device_memory_gib: Optional[float] = None,
@@ -136,7 +138,7 @@ def dry_run(job: DryRunJob, ranks: list[int], gpu: str, device_memory_gib: Optio
     reports = []
     traced = traced_microbatches(options, dims)
     traced_job = job.with_microbatches(traced) if dims.pp > 1 else job
-    for role, result in zip(roles, trace_ranks(traced_job, [role.traced_rank for role in roles])):
+    for role, result in zip(roles, trace_ranks(traced_job, [role.traced_rank for role in roles], usable)):
         prediction = predict(job, config, dims, options, result, gpu, usable)
         report = _role_report(job, role, result, prediction)
         report["ranks"] = sorted(wanted & set(role.ranks))
@@ -191,9 +193,14 @@ def _not_fitting(report: dict[str, Any]) -> list[str]:
         rank, c = r["rank_coordinates"][0]
         b = r["peak_breakdown"]
         parts = ", ".join(f"{k.lower()} {v / 1e9:.1f}" for k, v in b.items() if k != "Total" and v)
+        peak, where = f"peak {r['traced']['total'] / 1e9:.1f} GB", "GB at the peak"
+        if r.get("stopped") == "model state":
+            peak, where = f"model state {r['traced']['total'] / 1e9:.1f} GB", "activations not traced; GB"
+        elif r.get("stopped") == "step":
+            peak, where = f"peak at least {r['traced']['total'] / 1e9:.1f} GB", "traced until then; GB held"
         out.append(f"rank {rank} (pp={c['pp']}, dp={c['dp']}, tp={c['tp']}; traced as rank {r['traced_rank']}, same "
-                   f"role: {_ranks_text(r['ranks'])}) does not fit: peak {r['traced']['total'] / 1e9:.1f} GB > usable "
-                   f"{report['usable_bytes'] / 1e9:.1f} GB on {report['gpu']} (GB at the peak: {parts})")
+                   f"role: {_ranks_text(r['ranks'])}) does not fit: {peak} > usable "
+                   f"{report['usable_bytes'] / 1e9:.1f} GB on {report['gpu']} ({where}: {parts})")
     return out
 
 

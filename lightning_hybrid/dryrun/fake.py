@@ -45,6 +45,31 @@ def _small_factory(func: Any, args: tuple, kwargs: dict) -> bool:
     return False
 
 
+_NOT_CONTAINERS = (int, float, bool, str, torch.dtype, torch.device, torch.layout, torch.memory_format, type(None))
+
+
+def _scan(values: tuple) -> tuple[bool, bool]:
+    """(whether a tensor among ``values`` is fake or meta, whether there is a tensor), looking into lists, tuples
+    and dicts: what ``tree_leaves`` finds, without building the list on every operation."""
+    any_tensor = False
+    for value in values:
+        if isinstance(value, torch.Tensor):
+            if is_fake(value):
+                return True, True
+            any_tensor = True
+        elif isinstance(value, (list, tuple, dict)):
+            fake, found = _scan(tuple(value.values()) if isinstance(value, dict) else tuple(value))
+            if fake:
+                return True, True
+            any_tensor = any_tensor or found
+        elif not isinstance(value, _NOT_CONTAINERS):
+            leaves = [t for t in tree_leaves(value) if isinstance(t, torch.Tensor)]  # other pytree nodes
+            if any(is_fake(t) for t in leaves):
+                return True, True
+            any_tensor = any_tensor or bool(leaves)
+    return False, any_tensor
+
+
 class DryRunTensorMode(FakeTensorMode):
     """``FakeTensorMode`` that runs an operation for real when none of its tensor inputs is fake or meta, or when it
     builds a tiny tensor from nothing (see the module docstring)."""
@@ -54,8 +79,11 @@ class DryRunTensorMode(FakeTensorMode):
 
     def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: Any = None) -> Any:
         kwargs = kwargs or {}
-        tensors = [t for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
-        real = not any(is_fake(t) for t in tensors) if tensors else _small_factory(func, args, kwargs)
+        fake, any_tensor = _scan(args)
+        if not fake and kwargs:
+            fake, kwargs_tensor = _scan(tuple(kwargs.values()))
+            any_tensor = any_tensor or kwargs_tensor
+        real = not fake if any_tensor else _small_factory(func, args, kwargs)
         if real:
             with unset_fake_temporarily():
                 return func(*args, **kwargs)

@@ -22,7 +22,13 @@ from typing import Any, Optional
 
 import torch
 
-from lightning_hybrid.dryrun.accounting import CollectiveCounter, MemoryPeaks, mesh_dimension_groups, state_bytes
+from lightning_hybrid.dryrun.accounting import (
+    CollectiveCounter,
+    MemoryPeaks,
+    mesh_dimension_groups,
+    model_state_bytes,
+    state_bytes,
+)
 from lightning_hybrid.dryrun.recipe import DryRunJob
 
 __all__ = ["RankResult", "run_rank", "stage_examples", "build_trainer"]
@@ -41,6 +47,13 @@ class RankResult:
     collectives: dict[str, dict[str, list[int]]]
     seconds: float
     extra: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def stopped(self) -> Optional[str]:
+        """Why the trace stopped before the step's end, or ``None``: ``"model state"`` (parameters, gradients and
+        optimizer state alone exceed the limit, known right after setup) or ``"step"`` (the bytes held went over the
+        limit during the step: the peak is at least ``total_peak``)."""
+        return self.extra.get("stopped")
 
     @property
     def activation_peak(self) -> int:
@@ -152,9 +165,25 @@ def _step(trainer: Any, module: Any, batch: tuple[torch.Tensor, torch.Tensor],
     return grads
 
 
+def _hold_optimizer_state(model: Any, optimizers: list[Any]) -> None:
+    """Make the optimizer state that every step but the first holds from its start (AdamW's ``exp_avg``,
+    ``exp_avg_sq`` and ``step``), with the optimizers' own step on zero gradients (fake tensors: the values do not
+    matter): the traced step is then the job's steady state, whose peak is the one that must fit."""
+    params = [p for p in model.parameters() if p.requires_grad]
+    for p in params:
+        p.grad = torch.zeros_like(p)
+    for optimizer in optimizers:
+        optimizer.step()
+    for p in params:
+        p.grad = None
+
+
 def run_rank(job: DryRunJob, rank: int, fake: bool = True, warmup_steps: int = 0,
-             config_name: Optional[str] = None) -> RankResult:
+             config_name: Optional[str] = None, limit: Optional[float] = None) -> RankResult:
     """Build rank ``rank`` of ``job`` and trace one step (after ``warmup_steps`` untraced ones).
+
+    With a ``limit`` (bytes), a rank that cannot fit stops as soon as that is certain (:attr:`RankResult.stopped`):
+    right after setup when its model state alone exceeds it, else the moment the bytes held in the step do.
 
     On the fake backend (``fake=True``) this process joins a fake world of the job's size; otherwise the default
     process group must already be the real one (a torchrun worker).
@@ -178,7 +207,7 @@ def run_rank(job: DryRunJob, rank: int, fake: bool = True, warmup_steps: int = 0
     try:
         with fake_world(rank, job.world_size) if fake else contextlib.nullcontext():
             try:
-                return _build_and_trace(job, rank, fake, warmup_steps, start)
+                return _build_and_trace(job, rank, fake, warmup_steps, start, limit)
             finally:
                 if entered:
                     mode.__exit__(None, None, None)
@@ -186,22 +215,41 @@ def run_rank(job: DryRunJob, rank: int, fake: bool = True, warmup_steps: int = 0
         remove()
 
 
-def _build_and_trace(job: DryRunJob, rank: int, fake: bool, warmup_steps: int, start: float) -> RankResult:
+def _build_and_trace(job: DryRunJob, rank: int, fake: bool, warmup_steps: int, start: float,
+                     limit: Optional[float] = None) -> RankResult:
     trainer, module = _setup(job, rank, fake)
     strategy = trainer.strategy
+    stages = [s.stage_index for s in strategy.pipeline.stages] if strategy.pipeline is not None else [0]
+    result = RankResult(rank=rank, coordinates=strategy.dims.coordinates(rank), stages=stages, state={},
+                        kind_peaks={}, peak={}, collectives={}, seconds=0.0)
+    floor = model_state_bytes(module.model, strategy.optimizers)
+    if limit is not None and sum(floor.values()) > limit:
+        peak = {"Parameter": floor["parameters"], "Gradient": floor["gradients"], "Optstate": floor["optimizer"]}
+        result.state, result.kind_peaks, result.peak = floor, dict(peak), {**peak, "Total": sum(floor.values())}
+        result.extra["stopped"] = "model state"
+        result.seconds = time.perf_counter() - start
+        return result
     generator = torch.Generator().manual_seed(job.seed)
     ids = torch.randint(0, module.config.vocab_size, (job.batch_size, job.seq_len), generator=generator)
     batch = (ids, ids.clone())
     for _ in range(warmup_steps):
         _step(trainer, module, batch)
-    tracker = MemoryPeaks()
+    if fake and warmup_steps == 0:
+        _hold_optimizer_state(module.model, strategy.optimizers)
+    tracker = MemoryPeaks(limit)
     tracker.track_external(module.model, *strategy.optimizers)
     counter = CollectiveCounter(mesh_dimension_groups(strategy.device_mesh, job.world_size))
-    with tracker, counter:
-        grads = _step(trainer, module, batch, tracker)
-    state = state_bytes(module.model, strategy.optimizers)
-    state["gradients"] = grads.get("gradients", 0)
-    stages = [s.stage_index for s in strategy.pipeline.stages] if strategy.pipeline is not None else [0]
-    return RankResult(rank=rank, coordinates=strategy.dims.coordinates(rank), stages=stages, state=state,
-                      kind_peaks=dict(tracker.kind_peaks), peak=tracker.peak_breakdown(),
-                      collectives=counter.table(), seconds=time.perf_counter() - start)
+    grads: dict[str, int] = {}
+    try:
+        with tracker, counter:
+            grads = _step(trainer, module, batch, tracker)
+    except Exception:
+        if not tracker.exceeded:
+            raise
+    if tracker.exceeded:
+        result.extra["stopped"] = "step"
+    result.state = state_bytes(module.model, strategy.optimizers)
+    result.state["gradients"] = grads.get("gradients", result.state["gradients"])
+    result.kind_peaks, result.peak = dict(tracker.kind_peaks), tracker.peak_breakdown()
+    result.collectives, result.seconds = counter.table(), time.perf_counter() - start
+    return result

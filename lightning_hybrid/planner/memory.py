@@ -50,12 +50,15 @@ class Precision:
 
     Args:
         name: the Lightning name (``bf16-mixed``, ``bf16-true``, ``32-true``).
-        param: stored parameters (and FSDP all-gathers, since the strategy sets no ``param_dtype``).
+        param: stored parameters.
         grad: gradients (same dtype as the parameters in torch).
         state: one optimizer state element (torch's AdamW allocates states like the parameter).
         compute: matmul inputs and outputs.
         residual: the residual stream and norm outputs.
         autocast_copy: bytes per parameter of the low-precision weight copies autocast caches for backward.
+        gather: bytes per element of FSDP2's all-gathered (unsharded) parameters: the strategy's ``param_dtype``,
+            bf16 under ``bf16-mixed`` (the dry run's trace of the 72B recipe holds 2 bytes per gathered element,
+            and its all-gathers carry as many), else the stored dtype. Autocast makes no copy of such weights.
     """
 
     name: str
@@ -65,13 +68,14 @@ class Precision:
     compute: int
     residual: int
     autocast_copy: int
+    gather: int
 
 
 PRECISIONS: dict[str, Precision] = {
-    "bf16-mixed": Precision("bf16-mixed", 4, 4, 4, 2, 4, 2),
-    "16-mixed": Precision("16-mixed", 4, 4, 4, 2, 4, 2),
-    "bf16-true": Precision("bf16-true", 2, 2, 2, 2, 2, 0),
-    "32-true": Precision("32-true", 4, 4, 4, 4, 4, 0),
+    "bf16-mixed": Precision("bf16-mixed", 4, 4, 4, 2, 4, 2, 2),
+    "16-mixed": Precision("16-mixed", 4, 4, 4, 2, 4, 2, 4),
+    "bf16-true": Precision("bf16-true", 2, 2, 2, 2, 2, 0, 2),
+    "32-true": Precision("32-true", 4, 4, 4, 4, 4, 0, 4),
 }
 
 # Optimizer -> (states per parameter element, has a per-tensor ``step`` scalar).
@@ -323,7 +327,10 @@ def activation_model(config: Qwen2Config, tp: int = 1, sequence_parallel: bool =
         layer = full
     elif mode == "selective":
         matmul_outputs = a * (q + 2 * kv + 2 * inter) / tp + 2 * a * h / (tp if sp else 1)
-        layer = block_input + matmul_outputs + (a * q + lse) / tp
+        # under sequence parallel the op policy also keeps the outputs of the collectives: the all-gathered (full
+        # sequence) inputs of the attention and MLP projections, on every TP rank (the dry run of the 72B recipes)
+        gathered = 2 * a * h if sp else 0.0
+        layer = block_input + matmul_outputs + gathered + (a * q + lse) / tp
     else:
         layer = block_input
     vocab = c.vocab_size

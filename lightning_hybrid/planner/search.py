@@ -282,11 +282,12 @@ def _data_parallel_buffer_bytes(config: Qwen2Config, layout: Layout, shape: _Lay
                                 state: dict[str, int]) -> float:
     """FSDP's gathered parameters (and unsharded gradients), or the gradient all-reduce bucket."""
     prec = shape.precision
-    gathered = state["stage_param_numel"] * prec.param
+    # FSDP2 gathers in the strategy's param_dtype (bf16 under bf16-mixed), not in the stored fp32
+    gathered = state["stage_param_numel"] * prec.gather
     if shape.fsdp and layout.pp > 1:  # torch's schedules keep the stage unsharded (params and grads) through the step
         return gathered + state["stage_param_numel"] * prec.grad
     if shape.fsdp:  # the root unit (embedding, norm, head) stays gathered; two blocks in flight with prefetch
-        block = _block_numel(config, layout.tp) * prec.param
+        block = _block_numel(config, layout.tp) * prec.gather
         return gathered - block * state["blocks"] + FSDP_BLOCKS_IN_FLIGHT * block
     return GRADIENT_BUCKET_BYTES if layout.data_ranks > 1 else 0.0
 
@@ -297,6 +298,8 @@ def _autocast_copy_bytes(config: Qwen2Config, layout: Layout, shape: _LayoutShap
     With recompute only the recomputed block's copies exist at a time (the rest are not saved).
     """
     copy = shape.precision.autocast_copy
+    if shape.fsdp and shape.precision.gather == shape.precision.compute:
+        return 0.0  # FSDP2 gathers the weights in the compute dtype already: autocast's cast returns them as they are
     autocast = state["matmul_param_numel"] * copy
     if layout.recompute != "none":
         block_copies = _block_numel(config, layout.tp) * copy
