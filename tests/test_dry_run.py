@@ -120,7 +120,7 @@ def test_a_rank_that_does_not_fit_is_named_with_its_coordinates_and_breakdown(ca
     # 1 GiB less the planner's 4 GB framework reserve leaves nothing: the traced rank cannot fit.
     assert main(["dry-run", "--config", str(TINY), "--ranks", "2", "--device-memory-gib", "1"]) == 1
     out = capsys.readouterr()
-    assert "DOES NOT FIT" in out.out and "collectives of one step" in out.out
+    assert "DOES NOT FIT" in out.out and "collectives of the traced micro-batches" in out.out
     line = next(x for x in out.err.splitlines() if "does not fit" in x)
     assert "rank 2 (pp=0, dp=1, tp=0; traced as rank 0" in line and "activation" in line and "usable 0.0 GB" in line
     # the model state alone (known right after setup) exceeds it: the step is not traced
@@ -194,6 +194,8 @@ def test_72b_recipe_dry_run_issues_the_collectives_of_its_mesh(report_72b) -> No
         assert collectives["dp"]["all_gather"][0] > 0 and collectives["dp"]["reduce_scatter"][0] > 0, recipe
         assert collectives["tp"]["all_gather"][0] > 0 and collectives["tp"]["reduce_scatter"][0] > 0, recipe
         assert collectives["pp"]["send"][0] == collectives["pp"]["recv"][0] == 2, (recipe, collectives["pp"])
+        # the planner's count of the same micro-batches, shown beside the trace in the report: equal, calls and bytes
+        assert role["planner_collectives"] == collectives, (recipe, role["ranks"])
 
 
 def test_72b_recipe_without_model_parallelism_does_not_fit_an_h100(tmp_path) -> None:

@@ -119,6 +119,7 @@ def _role_report(job: DryRunJob, role: Role, result: Any, prediction: Any) -> di
             "stages": list(role.stages), "traced": traced, "planner": planner,
             "ratio": {k: _ratio(traced[k], planner[k]) for k in planner},
             "peak_breakdown": result.peak, "kind_peaks": result.kind_peaks, "collectives": result.collectives,
+            "planner_collectives": prediction.collectives,
             "fits": result.total_peak <= prediction.usable and result.stopped is None, "stopped": result.stopped,
             "seconds": round(result.seconds, 2)}
 
@@ -139,7 +140,7 @@ def dry_run(job: DryRunJob, ranks: list[int], gpu: str, device_memory_gib: Optio
     traced = traced_microbatches(options, dims)
     traced_job = job.with_microbatches(traced) if dims.pp > 1 else job
     for role, result in zip(roles, trace_ranks(traced_job, [role.traced_rank for role in roles], usable)):
-        prediction = predict(job, config, dims, options, result, gpu, usable)
+        prediction = predict(job, config, dims, options, result, gpu, usable, traced)
         report = _role_report(job, role, result, prediction)
         report["ranks"] = sorted(wanted & set(role.ranks))
         report["rank_coordinates"] = [[rank, dims.coordinates(rank)] for rank in report["ranks"]]
@@ -177,12 +178,27 @@ def format_report(report: dict[str, Any]) -> str:
             row += f" | {_gb(r['traced'][name]):>11} {_gb(r['planner'][name]):>8} " \
                    f"{('-' if ratio is None else f'{ratio:.3f}'):>5}"
         lines.append(row + ("" if r["fits"] else "  DOES NOT FIT"))
-    lines += ["", "collectives of one step (calls, MB) per mesh dimension:"]
+    lines += ["", "collectives of the traced micro-batches per mesh dimension: calls x MB, traced / planner (MB ratio)"]
     for r in report["roles"]:
-        parts = [f"{dim}: " + ", ".join(f"{kind} {n} x {b / 1e6:.1f}" for kind, (n, b) in kinds.items())
-                 for dim, kinds in r["collectives"].items()]
-        lines.append(f"  rank {r['traced_rank']}: " + "; ".join(parts))
+        lines.append(f"  rank {r['traced_rank']}: " + "; ".join(_collective_parts(r)))
     return "\n".join(lines)
+
+
+def _collective_parts(role: dict[str, Any]) -> list[str]:
+    """``dim: kind calls x MB / planner calls x MB (ratio)`` for every traced and every predicted collective."""
+    traced, planned = role["collectives"], role.get("planner_collectives")
+    parts = []
+    for dim in sorted(set(traced) | set(planned or {})):
+        kinds = []
+        for kind in sorted(set(traced.get(dim, {})) | set((planned or {}).get(dim, {}))):
+            n, b = traced.get(dim, {}).get(kind, (0, 0))
+            text = f"{kind} {n} x {b / 1e6:.1f}"
+            if planned is not None:
+                pn, pb = planned.get(dim, {}).get(kind, (0, 0))
+                text += f" / {pn} x {pb / 1e6:.1f} ({'-' if not pb else f'{b / pb:.3f}'})"
+            kinds.append(text)
+        parts.append(f"{dim}: " + ", ".join(kinds))
+    return parts
 
 
 def _not_fitting(report: dict[str, Any]) -> list[str]:

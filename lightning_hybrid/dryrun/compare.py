@@ -22,6 +22,7 @@ class Prediction:
 
     figures: dict[str, float]
     usable: float
+    collectives: Optional[dict[str, dict[str, list[int]]]] = None  # None: a layout the planner does not count
 
 
 def usable_bytes(gpu: str, device_memory_gib: Optional[float]) -> float:
@@ -56,12 +57,14 @@ def _layout(job: DryRunJob, dims: Any, options: Any) -> Any:
 
 
 def predict(job: DryRunJob, config: Any, dims: Any, options: Any, result: RankResult, gpu: str,
-            usable: float) -> Prediction:
+            usable: float, traced_microbatches: int = 1) -> Prediction:
     """The planner's figures for ``result``'s rank: its exact state bytes at the rank's coordinates
-    (:func:`~lightning_hybrid.planner.memory.rank_memory`) and its memory breakdown for the rank's pipeline
-    coordinate (activations held at the peak, total)."""
+    (:func:`~lightning_hybrid.planner.memory.rank_memory`), its memory breakdown for the rank's pipeline
+    coordinate (activations held at the peak, total), and the collectives of a step with ``traced_microbatches``
+    micro-batches (:func:`~lightning_hybrid.planner.collectives.predicted_collectives`)."""
     from lightning_hybrid.distributed.pipeline.schedules import V_SHAPED
     from lightning_hybrid.hardware import SYSTEM_GPUS
+    from lightning_hybrid.planner.collectives import predicted_collectives
     from lightning_hybrid.planner.memory import rank_memory
     from lightning_hybrid.planner.search import Problem, rank_memory_breakdown
     from lightning_hybrid.planner.step_time import Hardware
@@ -72,9 +75,16 @@ def predict(job: DryRunJob, config: Any, dims: Any, options: Any, result: RankRe
                         job.precision, "adamw", options.virtual_stages, stage_style)
     hw = Hardware(SYSTEM_GPUS[gpu], job.world_size, job.devices_per_node)
     problem = Problem(config, hw, job.seq_len, job.batch_size * dims.dp, job.precision)
-    memory = rank_memory_breakdown(problem, _layout(job, dims, options), c["pp"])
+    layout = _layout(job, dims, options)
+    memory = rank_memory_breakdown(problem, layout, c["pp"])
     figures = {"parameters": state["param_bytes"], "gradients": state["grad_bytes"],
                "optimizer": state["optimizer_bytes"], "activations": memory["activations"],
                "total": memory["total"],
                "transient": memory["total"] - memory["weights"] - memory["gradients"] - memory["optimizer"]}
-    return Prediction(figures, usable)
+    try:
+        collectives = predicted_collectives(problem, layout, c["pp"], traced_microbatches,
+                                            gradient_clipping=bool(job.gradient_clip_val),
+                                            selective_ac=options.selective_ac)
+    except ValueError:  # cp, HSDP and multi-stage schedules are not counted by the planner
+        collectives = None
+    return Prediction(figures, usable, collectives)

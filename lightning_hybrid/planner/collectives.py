@@ -58,13 +58,14 @@ from __future__ import annotations
 
 import math
 from collections import defaultdict
-from typing import TYPE_CHECKING, Callable, Optional, Union
+from typing import Any, Callable, Optional, Union
 
 from lightning_hybrid.distributed.data_parallel import GRADIENT_BUCKET_BYTES
 from lightning_hybrid.planner.memory import chunk_rows, rank_parameter_shapes, split_blocks
 
-if TYPE_CHECKING:
-    from lightning_hybrid.planner.search import Layout, Problem
+# ``problem`` and ``layout`` below are planner.search's ``Problem`` and ``Layout``; search imports this module (the
+# time model counts its TP collectives and FSDP gathers with the functions here), so they are not imported back.
+Problem = Layout = Any
 
 __all__ = ["predicted_collectives", "COLWISE_PER_BLOCK", "tp_all_reduce_equivalents", "fsdp_block_gathers"]
 
