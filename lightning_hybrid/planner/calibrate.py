@@ -45,13 +45,15 @@ replaces it."""
 CPU_GLOO_LATENCY_S = 150e-6
 """Fixed cost of one gloo collective on one machine, seconds; a preflight replaces it."""
 CPU_SCHEDULING_WAIT_S = 0.008
-"""More processes than cores: what one step of a blocking collective (TP's all-reduces, a pipeline's receive) waits
-for its peer to be scheduled, seconds (``Hardware.scheduling_wait_s``). About one scheduler time slice of Linux's
-CFS with a few runnable processes per core; the one constant chosen on ``benchmarks/planner_accuracy.py``'s
+"""No spare core (at least as many processes as cores): what one step of a blocking collective (TP's all-reduces, a
+pipeline's receive) waits for its peer to be scheduled, seconds (``Hardware.scheduling_wait_s``). About one scheduler
+time slice of Linux's CFS with every core busy; the one constant chosen on ``benchmarks/planner_accuracy.py``'s
 measurements (28 layouts, 4 processes on 2 cores): any value from 2 to 20 ms meets the targets there (median error
 6.5-15%, Spearman 0.85-0.98, the planner's choice measured fastest); 0 gives 15%, 0.76 and the 7th. It was 12 ms
 while the time model counted 4 TP all-reduces per block instead of the 7 this project issues without sequence
-parallel (``planner/collectives.py``): the wait made up for the missing ones."""
+parallel (``planner/collectives.py``): the wait made up for the missing ones. It first applied only with more
+processes than cores; a second idle measurement, 2 processes on 2 cores (12 layouts), showed TP layouts 26-30% slow
+without it (Spearman 0.72) and 8% median error, Spearman 0.94 with it: a core per process is not a spare core."""
 CPU_TIME_MODEL = TimeModel(gemm_knee=24.0, tp_overlap_exposed=1.0, attention_efficiency=0.25, hbm_efficiency=1.0)
 """CPU kernels: small GEMMs lose less to tiling than on a GPU (knee 24, not 664); attention (SDPA's math path on
 CPU) reaches about a quarter of the matmul speed; elementwise ops move bytes at the measured copy bandwidth."""
@@ -93,7 +95,7 @@ def cpu_hardware(matmul_tflops: float, copy_tbs: float, world_size: int, process
     return Hardware(gpu, world_size, processes_per_node, compute_efficiency=1.0, link_efficiency=1.0,
                     intra_latency_s=CPU_GLOO_LATENCY_S, inter_latency_s=CPU_GLOO_LATENCY_S, reserved_gb=0.5,
                     fragmentation=0.1, cores_per_node=cores,
-                    scheduling_wait_s=CPU_SCHEDULING_WAIT_S if processes_per_node > cores else 0.0)
+                    scheduling_wait_s=CPU_SCHEDULING_WAIT_S if processes_per_node >= cores else 0.0)
 
 
 def _host_memory_gb(processes: int) -> float:

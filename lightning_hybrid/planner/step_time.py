@@ -198,7 +198,7 @@ class Hardware:
         collective_factors: ``(kind, factor)`` pairs: a collective kind's measured bus bandwidth over the link
             figure (a preflight measures each kind; gloo's reduce-scatter is several times slower than its
             all-reduce). A kind not listed runs at the link figure.
-        scheduling_wait_s: CPU processes on fewer cores than processes: what one step of a blocking collective
+        scheduling_wait_s: CPU processes with no spare core (processes >= cores): what one step of a blocking collective
             (a ring all-reduce has ``2 (n - 1)`` of them, an all-gather ``n - 1``) waits for its peer to be scheduled
             (:data:`lightning_hybrid.planner.calibrate.CPU_SCHEDULING_WAIT_S`); 0 on GPUs.
     """
