@@ -3,9 +3,9 @@
 
 Environment: OUT (results), CKPT (checkpoint folder), STEPS, EVERY (save interval, async saves), TP, PP,
 HANG_TIMEOUT (seconds, or "none"), FAULTS ("attempt:step:rank:kill|stop|node,...": on that torchrun attempt
-(TORCHELASTIC_RESTART_COUNT), right after that step's checkpoint hook (a save step: its async write is in flight),
-that rank sends itself SIGKILL or SIGSTOP, or ends its whole node: agent and workers; rank ``nodeB``: local rank 0 of
-the node started with NODE_TAG=B), SLOW_FIRST_STEP (seconds rank 1 sleeps inside its first training step),
+(the launch's restart round: launch_round), right after that step's checkpoint hook (a save step: its async write is
+in flight), that rank sends itself SIGKILL or SIGSTOP, or ends its whole node: agent and workers; rank ``nodeB``:
+local rank 0 of the node started with NODE_TAG=B), SLOW_FIRST_STEP (seconds rank 1 sleeps inside its first training step),
 VAL_BATCHES and VAL_SLEEP (a validation of that many batches, each VAL_SLEEP s, after step VAL_AT).
 Rank 0 appends every step's loss to OUT/losses.jsonl and saves the final full weights to OUT/final.pt.
 """
@@ -37,7 +37,23 @@ def env(name: str, default: str = "") -> str:
     return os.environ.get(name, default)
 
 
-ATTEMPT = int(env("TORCHELASTIC_RESTART_COUNT", "0"))
+ATTEMPT = int(env("TORCHELASTIC_RESTART_COUNT", "0"))  # replaced by the launch-wide round in Faults.setup
+
+
+def launch_round(out: Path) -> int:
+    """This launch's restart round, the same on every node: the rounds rank 0 began before (``round_N`` files).
+
+    torchrun's restart count cannot name it with several agents: an agent whose workers were healthy when another
+    agent began a new round restarts them for the membership change without counting a restart.
+    """
+    import torch.distributed as dist
+
+    box: list = [None]
+    if dist.get_rank() == 0:
+        box[0] = len(list(out.glob("round_*")))
+        (out / f"round_{box[0]}").write_text(str(time.time()))
+    dist.broadcast_object_list(box, src=0)
+    return int(box[0])
 
 
 class Faults(L.Callback):
@@ -51,6 +67,8 @@ class Faults(L.Callback):
         (self.out / f"{what}_{ATTEMPT}_rank{trainer.global_rank}").write_text(str(time.time()))
 
     def setup(self, trainer, pl_module, stage) -> None:
+        global ATTEMPT
+        ATTEMPT = launch_round(self.out)
         self._mark(trainer, "setup")  # the process group is up
 
     def on_train_start(self, trainer, pl_module) -> None:
