@@ -5,8 +5,8 @@ Environment: OUT (results), CKPT (checkpoint folder), STEPS, EVERY (save interva
 HANG_TIMEOUT (seconds, or "none"), FAULTS ("attempt:step:rank:kill|stop|node,...": on that torchrun attempt
 (the launch's restart round: launch_round), right after that step's checkpoint hook (a save step: its async write is
 in flight), that rank sends itself SIGKILL or SIGSTOP, or ends its whole node: agent and workers; rank ``nodeB``:
-local rank 0 of the node started with NODE_TAG=B), SLOW_FIRST_STEP (seconds rank 1 sleeps inside its first training step),
-VAL_BATCHES and VAL_SLEEP (a validation of that many batches, each VAL_SLEEP s, after step VAL_AT).
+local rank 0 of the node started with NODE_TAG=B), SLOW_FIRST_STEP (seconds rank 1 sleeps inside its first training
+step), VAL_BATCHES and VAL_SLEEP (a validation of that many batches, each VAL_SLEEP s, after step VAL_AT).
 Rank 0 appends every step's loss to OUT/losses.jsonl and saves the final full weights to OUT/final.pt.
 """
 
