@@ -15,7 +15,7 @@ preflight report (:mod:`lightning_hybrid.preflight.links`, ``--json``) into :cla
 Without a preflight, a CPU run measures a float32 matmul and a memory copy on the spot (a fraction of a second)
 and takes gloo's link figures from :data:`CPU_GLOO_BUS_GBS` and :data:`CPU_GLOO_LATENCY_S`. CPU processes share
 the cores this process may run on (``Hardware.cores_per_node``): a step takes at least the node's compute over its
-cores plus its communication (``core_sharing`` in the estimate). With more processes than cores, a blocking
+cores plus its communication (``core_sharing`` in the estimate). With no spare core (processes >= cores), a blocking
 collective also waits for its peers to be scheduled (:data:`CPU_SCHEDULING_WAIT_S` per step of its ring), and
 prefetched FSDP collectives find no free core to hide behind.
 """

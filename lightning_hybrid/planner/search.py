@@ -220,7 +220,7 @@ class _Work:
     tp: float = 0.0  # exposed TP collectives of forward and backward
     gemm_flops: float = 0.0
     cp: float = 0.0  # the K/V exchange of context parallelism, forward (all-gather) and backward (reduce-scatter)
-    p2p: float = 0.0  # pipeline transfers in the critical path (only on oversubscribed CPU cores; else overlapped)
+    p2p: float = 0.0  # pipeline transfers in the critical path (only on CPU cores with none spare; else overlapped)
 
     def __add__(self, other: "_Work") -> "_Work":
         return _Work(*(x + y for x, y in zip(astuple(self), astuple(other))))
@@ -430,7 +430,7 @@ def _rank_work(problem: Problem, layout: Layout, shape: _LayoutShape, pp_rank: i
     if shape.last_stage in stages:
         work = work + _head_work(problem, layout, shape.tokens)
     if layout.pp > 1 and problem.hw.scheduling_wait_s:
-        # oversubscribed CPU cores: a rank receiving its stage input (and its output gradient) waits for the sender
+        # CPU cores with none spare: a rank receiving its stage input (and its output gradient) waits for the sender
         # to be scheduled; on GPUs the steady state's transfers overlap with compute
         received = 2 - (0 in stages) - (shape.last_stage in stages) if layout.virtual_stages == 1 else 2
         nbytes = shape.tokens * problem.config.hidden_size * _activation_bytes(problem)[1]
@@ -468,12 +468,12 @@ def _data_parallel_seconds(problem: Problem, layout: Layout, shape: _LayoutShape
         # traced for 1F1B and GPipe; the multi-stage schedules' UNSHARD/RESHARD actions are not: once per step there
         single = layout.virtual_stages == 1 and layout.schedule in ("1f1b", "gpipe")
         extra = fsdp_block_gathers(layout.pp, layout.microbatches) - 1 if single else 0
-        if hw.scheduling_wait_s:  # oversubscribed cores: nothing runs alongside
+        if hw.scheduling_wait_s:  # no spare core: nothing runs alongside
             return gather + scatter + extra * regather
         exposed = extra * max(0.0, regather - slowest.work.total)  # prefetched behind the micro-batch's compute
         return (max(0.0, gather + scatter - window) if rt.dp_overlap else gather + scatter) + exposed
     per_microbatch = 2 * gather + scatter  # forward and backward all-gather, one reduce-scatter
-    if hw.scheduling_wait_s:  # oversubscribed cores: no core is free to run the prefetched collectives alongside
+    if hw.scheduling_wait_s:  # no spare core: no core is free to run the prefetched collectives alongside
         return layout.microbatches * per_microbatch
     first_unit = dp_collective("all_gather", _block_numel(problem.config, layout.tp) * param_bytes)
     return layout.microbatches * max(0.0, per_microbatch - slowest.work.total) + first_unit

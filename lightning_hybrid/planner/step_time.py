@@ -239,7 +239,7 @@ class Hardware:
 
     def collective(self, kind: str, nbytes: float, ranks: int, inter_node: bool, blocking: bool = False) -> float:
         """Seconds of one collective of ``kind`` (see :func:`collective_seconds`) on this cluster's links;
-        ``blocking``: every rank waits in it between compute bursts (TP, CP), so on oversubscribed cores each of its
+        ``blocking``: every rank waits in it between compute bursts (TP, CP), so with no spare core each of its
         steps also waits for a peer to be scheduled (:attr:`scheduling_wait_s`)."""
         bandwidth = self.bus_bandwidth(inter_node) * dict(self.collective_factors).get(kind, 1.0)
         seconds = collective_seconds(kind, nbytes, ranks, bandwidth, self.latency(inter_node))
