@@ -108,7 +108,8 @@ def find_hang(seen: dict[int, Seen], now: float, timeout: float, world_size: int
 
     A frozen rank (no beat for ``timeout``; a rank never heard from counts from ``started``) is named first; else,
     among armed ranks without progress for ``timeout``, the one furthest behind (lowest ``position``: twice the
-    finished step, plus one inside the next step; the others wait in a collective for it), listing the rest.
+    finished step, plus one inside the next step; the others wait in a collective for it), listing the rest. A
+    stuck rank also silent for ``timeout / 2`` is frozen (its last beat came after its last progress) and named first.
     """
     frozen = [(now - (seen[r].beat_at if r in seen else started), r) for r in range(world_size)
               if (r not in seen or seen[r].record.get("state") != "stopped")]
@@ -121,7 +122,13 @@ def find_hang(seen: dict[int, Seen], now: float, timeout: float, world_size: int
              and now - s.progress_at > timeout]
     if not stuck:
         return None
-    rank = min(stuck, key=lambda r: (seen[r].record.get("position", -1), r))  # the one furthest behind
+    # A stuck rank whose beats also stopped (none for half the timeout: five or more missed) is frozen, not merely
+    # stuck: its thread beat once after its last progress, just before it froze, so its stuck age crossed the
+    # timeout a moment before its frozen age. It is named (and killed) as frozen, before any live stuck rank.
+    silent = {r for r in stuck if now - seen[r].beat_at > timeout / 2}
+    rank = min(stuck, key=lambda r: (r not in silent, seen[r].record.get("position", -1), r))  # furthest behind
+    if rank in silent:
+        return Hang(rank, seen[rank].record, True, now - seen[rank].beat_at, sorted(set(stuck) - {rank}))
     return Hang(rank, seen[rank].record, False, now - seen[rank].progress_at, sorted(set(stuck) - {rank}))
 
 

@@ -76,17 +76,21 @@ def _check(job: DryRunJob) -> tuple[Any, Any, Any, Any]:
 
 
 def traced_microbatches(options: Any, dims: Any) -> int:
-    """Micro-batches a dry run traces, of the recipe's size: as many as the schedule holds at once at its peak.
+    """Micro-batches a dry run traces, of the recipe's size: enough to reach the schedule's steady-state peak.
 
-    A 1F1B rank holds at most ``pp - rank`` micro-batches' activations, so ``pp`` of them (the least 1F1B runs)
-    reach every rank's peak; an interleaved or zero-bubble rank fewer than ``2 x pp x v``; GPipe holds all of them.
-    The traced peaks are the full step's; the collectives listed are those of the traced micro-batches.
+    A 1F1B rank holds at most ``pp - rank`` micro-batches' activations, and its peak comes in the steady state: the
+    first forward after its first backward, with ``pp - rank`` micro-batches in flight again while the stage's
+    unsharded FSDP gradients (kept through the step under a pipeline) are already held. So ``pp + 1`` of them reach
+    every rank's peak (``pp`` alone would end the step with backwards only and miss it: 20 GB at the 72B SFT
+    recipe's stage 0). An interleaved or zero-bubble rank holds fewer than ``2 x pp x v``, whose steady state
+    follows its warm-up; GPipe holds all of them. The traced peaks are the full step's; the collectives listed are
+    those of the traced micro-batches.
     """
     m = options.num_microbatches
     if dims.pp == 1 or options.pp_schedule == "gpipe":
         return m if dims.pp > 1 else 1
     if options.pp_schedule == "1f1b":
-        return min(m, dims.pp)
+        return min(m, dims.pp + 1)
     return min(m, 2 * dims.pp * options.virtual_stages)
 
 
