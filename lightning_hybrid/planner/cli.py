@@ -119,8 +119,9 @@ def assumptions(p: Problem) -> list[str]:
         "stays gathered",
         "activations: Korthikanti et al. 2022 counted per saved tensor for this model: flash-style attention (no s x s "
         "scores), GQA k/v repeated to all heads, SwiGLU, fp32 RMSNorm; sequence parallel shards the norms only",
-        "recompute memory: selective keeps block input + matmul/attention outputs; full keeps the block input; a "
-        "block's backward working set and the fp32 loss are added as transients",
+        "recompute memory: selective keeps block input + matmul/attention/TP-collective outputs (with tp > 1 o and "
+        "down also before their reduction, full width); full keeps the block input; a block's backward working set "
+        "and the fp32 loss are added as transients",
         f"compute: each GEMM (q, k, v, o, gate, up, down, head at its TP-local shape) at {hw.compute_efficiency:g} "
         f"of peak x d/(d + {p.time_model.gemm_knee:g}), d its smallest dimension; attention 12 L hq s FLOPs at "
         f"{p.time_model.attention_efficiency:g} of peak; elementwise ops (norms, rotary, SiLU, residual adds, casts, "

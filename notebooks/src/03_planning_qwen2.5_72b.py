@@ -187,16 +187,17 @@ print(f"recipe layout: {recipe.layout.describe()}: {recipe.memory['total'] / 1e9
 print("\n".join(explain_time(recipe)))
 
 # %% [markdown]
-# The planner's fastest layouts use less tensor parallelism (tp=4 without a pipeline, or tp=2 with an interleaved
-# one) than the recipe: at tp=8 every GPU's matmuls are 1024 wide (0.49 of peak instead of 0.56 at tp=4) and the
-# 8-way activation all-reduces, which torch's tensor parallelism runs on the compute stream, cost a sixth of the
-# step. The fastest layouts lie within a few percent of each other, about the model's error, so they are worth a
-# measured trial rather than a blind switch. The recipe keeps the reference layout of the design: TP on NVLink
-# inside each node, a two-stage pipeline, the least traffic between nodes, and enough memory headroom to run
+# The planner's fastest layouts use less tensor parallelism (tp=1 with HSDP inside a node and no pipeline, or tp=2
+# with an interleaved one) than the recipe: at tp=8 every GPU's matmuls are 1024 wide (0.49 of peak instead of 0.56
+# at tp=4) and the 8-way activation all-reduces, which torch's tensor parallelism runs on the compute stream, cost a
+# sixth of the step. The fastest layouts lie within a few percent of each other, about the model's error, so they are
+# worth a measured trial rather than a blind switch. The recipe keeps the reference layout of the design: TP on
+# NVLink inside each node, a two-stage pipeline, the least traffic between nodes, and the memory headroom to run
 # unchanged on H100s (see the next section). To try the planner's first layout:
-# `lightning-hybrid plan --model qwen2.5-72b --gpus 128 --gpu b300 --explain 4,1,fsdp`, then
-# `--trainer.strategy.tp 4 --trainer.strategy.pp 1 --trainer.strategy.dp 32 --data.init_args.batch_size 8
-# --trainer.accumulate_grad_batches 4` on the command line.
+# `lightning-hybrid plan --model qwen2.5-72b --gpus 128 --gpu b300 --explain` (it explains the first), then
+# `--trainer.strategy.tp 1 --trainer.strategy.pp 1 --trainer.strategy.dp 128 --trainer.strategy.data_parallel hsdp
+# --trainer.strategy.dp_shard 8 --trainer.strategy.sequence_parallel false --data.init_args.batch_size 1
+# --trainer.accumulate_grad_batches 8` on the command line.
 #
 # ## Smaller clusters and other GPUs
 #
