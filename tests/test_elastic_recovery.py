@@ -19,7 +19,7 @@ import torch
 
 from helpers.compare import same_tensors
 from helpers.launch import TESTS, free_port, kill_process_group, worker_env
-from lightning_hybrid.distributed.elastic import round_store_prefix
+from lightning_hybrid.distributed.elastic import peer_failure, round_store_prefix
 from lightning_hybrid.distributed.heartbeat import (
     EXIT_CODE_HANG,
     Heartbeat,
@@ -258,6 +258,33 @@ def test_a_rank_frozen_just_after_one_last_beat_is_named_frozen_not_stuck():
     seen[1].beat_at = 17.9  # its beats go on: then it is stuck, the main thread is the problem
     hang = find_hang(seen, now=18.1, timeout=8, world_size=3, started=0)
     assert (hang.rank, hang.frozen) == (1, False)
+
+
+@pytest.mark.timeout(120)
+def test_the_error_gloo_raises_for_a_dead_peer_is_seen_as_a_broken_process_group():
+    # FaultTolerantCheckpoint.on_exception skips its save (and its 20 s barrier) on such an error: a save cannot
+    # complete without the dead peer, and torchrun is already restarting the job.
+    port = free_port()
+    procs = [subprocess.Popen([sys.executable, str(TESTS / "dead_peer_worker.py")], stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True, start_new_session=True,
+                              env=worker_env({"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
+                                              "RANK": str(rank), "WORLD_SIZE": "2"})) for rank in range(2)]
+    try:
+        outputs = [proc.communicate(timeout=100) for proc in procs]
+    finally:
+        for proc in procs:
+            kill_process_group(proc)
+    result = json.loads(outputs[0][0].strip().splitlines()[-1])
+    assert result["type"] == "RuntimeError", result  # gloo's own error type, not a DistError
+    # gloo says "Connection closed by peer" (pair.cc: EOF) or "Read error ... Connection reset by peer", by timing
+    assert "closed by peer" in result["direct"] or "reset by peer" in result["direct"], result
+    assert result["wrapped"] == result["direct"], result
+    assert peer_failure(RuntimeError("CUDA out of memory. Tried to allocate 2.00 GiB")) is None
+    assert peer_failure(ValueError("loss is nan")) is None
+    import torch.distributed as dist
+
+    assert peer_failure(dist.DistBackendError("NCCL error: remote process exited\nmore")) == (
+        "NCCL error: remote process exited")
 
 
 def test_heartbeat_thread_reports_a_peer_whose_beats_stop(tmp_path):

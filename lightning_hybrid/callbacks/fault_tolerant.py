@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import os
 import shutil
 import signal
@@ -26,6 +27,8 @@ from lightning_hybrid.checkpoint.manifest import (
     update_latest,
 )
 from lightning_hybrid.checkpoint.verify import verify_on_all_ranks
+
+log = logging.getLogger(__name__)
 
 __all__ = ["FaultTolerantCheckpoint", "Preempted", "EXIT_CODE_PREEMPTED", "CheckpointSavesFailed", "suggest_interval"]
 
@@ -75,7 +78,8 @@ class FaultTolerantCheckpoint(pl.Callback):
         async_save: block only while the state is copied to host memory and write in the background; the
             next save (or the end of training) waits for the previous one.
         auto_resume: on ``fit`` without ``ckpt_path``, resume from the newest valid checkpoint in ``dirpath``.
-        save_on_exception: try a synchronous save when training raises (if all ranks are reachable).
+        save_on_exception: try a synchronous save when training raises (if all ranks reach it within 20 s; not
+            tried when the exception says the process group is broken: a dead peer, a NCCL error).
         save_on_signal: SIGTERM or SIGUSR1 trigger a synchronous save at the next step boundary on all ranks,
             then exit with code ``EXIT_CODE_PREEMPTED`` (75).
         allow_fresh_start: when ``dirpath`` holds checkpoints but none is valid, start from scratch (True) or
@@ -348,6 +352,13 @@ class FaultTolerantCheckpoint(pl.Callback):
             return
         import torch.distributed as dist
 
+        from lightning_hybrid.distributed.elastic import peer_failure
+
+        broken = peer_failure(exception) if dist.is_initialized() else None
+        if broken is not None:  # a peer is gone: a collective save cannot complete; do not wait 20 s for it
+            log.warning(f"rank {trainer.global_rank}: no checkpoint after {type(exception).__name__}: the process "
+                        f"group is broken ({broken}); a restart resumes from the last committed checkpoint")
+            return
         try:
             # Only if every rank got here too (an exception raised on all ranks); never hang on a dead peer.
             if dist.is_initialized():

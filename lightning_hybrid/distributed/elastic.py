@@ -32,7 +32,7 @@ from datetime import timedelta
 from typing import Any, Optional
 
 __all__ = ["round_store_prefix", "init_round_process_group", "SHARED_STORE_WARNING", "global_batch_error",
-           "report_global_batch"]
+           "report_global_batch", "peer_failure"]
 
 log = logging.getLogger(__name__)
 
@@ -94,3 +94,28 @@ def report_global_batch(saved: Optional[int], per_rank: Optional[int], dp: int, 
     message = global_batch_error(saved, per_rank, dp)
     if message is not None and dp_rank == 0:
         log.error(message)
+
+
+# What gloo's TCP transport raises (a plain RuntimeError, from gloo/transport/tcp/pair.cc) when the process at the
+# other end of a pair is gone: read or write on the closed socket.
+_GLOO_PEER_GONE = ("Connection closed by peer", "Connection reset by peer", "Broken pipe")
+
+
+def peer_failure(exception: Optional[BaseException]) -> Optional[str]:
+    """The first line of the error in ``exception``'s chain (``__cause__``, ``__context__``) that says the process
+    group is broken, or ``None``: a ``torch.distributed.DistError`` (NCCL's errors are ``DistBackendError``, store and
+    network ones ``DistStoreError``/``DistNetworkError``) or gloo's error for a peer process that is gone.
+
+    After such an error no collective of the group can complete, so nothing that needs all ranks (a checkpoint save)
+    is worth trying: it would wait out a timeout while torchrun is already restarting the job.
+    """
+    import torch.distributed as dist
+
+    seen: set[int] = set()
+    while exception is not None and id(exception) not in seen:
+        seen.add(id(exception))
+        text = str(exception).strip()
+        if isinstance(exception, dist.DistError) or any(mark in text for mark in _GLOO_PEER_GONE):
+            return text.splitlines()[0] if text else type(exception).__name__
+        exception = exception.__cause__ or exception.__context__
+    return None
