@@ -281,10 +281,41 @@ def test_the_error_gloo_raises_for_a_dead_peer_is_seen_as_a_broken_process_group
     assert result["wrapped"] == result["direct"], result
     assert peer_failure(RuntimeError("CUDA out of memory. Tried to allocate 2.00 GiB")) is None
     assert peer_failure(ValueError("loss is nan")) is None
+    assert peer_failure(ConnectionResetError(104, "Connection reset by peer")) is None  # a data loader's pipe
     import torch.distributed as dist
 
     assert peer_failure(dist.DistBackendError("NCCL error: remote process exited\nmore")) == (
         "NCCL error: remote process exited")
+
+
+def test_the_save_on_exception_is_skipped_only_when_the_process_group_is_broken(tmp_path, caplog):
+    from types import SimpleNamespace
+
+    import torch.distributed as dist
+
+    from lightning_hybrid import FaultTolerantCheckpoint
+
+    dist.init_process_group("gloo", store=dist.FileStore(str(tmp_path / "store"), 1), rank=0, world_size=1)
+    try:
+        checkpoint = FaultTolerantCheckpoint(tmp_path / "ckpt", every_n_steps=2)
+        checkpoint._training_started = True
+        calls: list = []
+        checkpoint._commit = lambda trainer: calls.append("commit")
+        checkpoint._save = lambda trainer, step, async_save: calls.append(("save", step, async_save)) is None
+        trainer = SimpleNamespace(global_step=5, global_rank=0, strategy=SimpleNamespace(checkpoint_group=None))
+        # the text gloo's pair.cc raises for a peer that is gone (tests/dead_peer_worker.py gets it from torch)
+        gone = RuntimeError("[/__w/pytorch/pytorch/third_party/gloo/gloo/transport/tcp/pair.cc:553] Connection "
+                            "closed by peer [127.0.0.1]:9099. This is typically caused by a remote worker crashing.")
+        try:
+            raise RuntimeError("pipeline step failed") from gone
+        except RuntimeError as wrapped:
+            with caplog.at_level("WARNING", logger="lightning_hybrid.callbacks.fault_tolerant"):
+                checkpoint.on_exception(trainer, None, wrapped)
+        assert calls == [] and "the process group is broken ([/__w/" in caplog.text, (calls, caplog.text)
+        checkpoint.on_exception(trainer, None, ValueError("loss is nan"))  # every rank alive: the save is tried
+        assert calls == ["commit", ("save", 5, False)]
+    finally:
+        dist.destroy_process_group()
 
 
 def test_heartbeat_thread_reports_a_peer_whose_beats_stop(tmp_path):

@@ -115,7 +115,8 @@ def peer_failure(exception: Optional[BaseException]) -> Optional[str]:
     while exception is not None and id(exception) not in seen:
         seen.add(id(exception))
         text = str(exception).strip()
-        if isinstance(exception, dist.DistError) or any(mark in text for mark in _GLOO_PEER_GONE):
+        gloo = "gloo" in text and any(mark in text for mark in _GLOO_PEER_GONE)  # not a data loader's own socket
+        if isinstance(exception, dist.DistError) or gloo:
             return text.splitlines()[0] if text else type(exception).__name__
         exception = exception.__cause__ or exception.__context__
     return None
