@@ -24,8 +24,10 @@ Each chosen rank joins torch's fake process group as that rank of the recipe's w
 the strategy's own code: argument and size validation, the (pp, dp, tp) mesh, the pipeline split, the TP plan,
 recompute and compile flags, FSDP2 wrapping, precision, materialization and initialization (on fake tensors: shapes,
 no memory), the optimizer and LR schedule; then one optimizer step as Lightning runs it (training_step with the
-pipeline schedule and all its micro-batches, backward, gradient clipping, AdamW). Pipeline stages are given their
-shapes, since torch's shape exchange carries nothing on the fake backend. It reports per rank: parameter, gradient
+pipeline schedule, backward, gradient clipping, AdamW). The schedule runs as many micro-batches of the recipe's size
+as reach its steady-state peak (1F1B: pp + 1, a forward after the first backward; interleaved: up to 2 x pp x v;
+GPipe: all). Pipeline stages are given their shapes, since torch's shape exchange carries nothing on the fake
+backend. It reports per rank: parameter, gradient
 and optimizer-state bytes; the activation peak and the total peak traced by torch's MemTracker; the collectives per
 mesh dimension (calls and bytes); and beside each figure the planner's prediction and the ratio.
 
