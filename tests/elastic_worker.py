@@ -108,6 +108,25 @@ class Faults(L.Callback):
                 f.write(json.dumps({"step": trainer.global_step, "start": time.time()}) + "\n")
 
 
+class SettleSaves(L.Callback):
+    """At a step where this attempt injects a fault, every rank first waits for its own background write of the
+    previous save to finish. Placed before ``FaultTolerantCheckpoint``, whose hook at that step then commits it:
+    the checkpoint a test expects the restart to resume from is committed whatever the machine's load. (The callback
+    commits a finished write at the next step end, when every rank reports it done; under load a write can take
+    longer than a step, and the resume point would be a race.)"""
+
+    def __init__(self, checkpoint: FaultTolerantCheckpoint, faults: Faults) -> None:
+        self.checkpoint, self.faults = checkpoint, faults
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        if not any(int(attempt) == ATTEMPT and int(at) == trainer.global_step
+                   for attempt, at, _, _ in self.faults.faults):
+            return
+        pending, deadline = self.checkpoint._pending, time.monotonic() + 120
+        while pending is not None and not pending.ready() and time.monotonic() < deadline:
+            time.sleep(0.01)
+
+
 def _is(who: str, rank: int) -> bool:
     """``who`` is a global rank, or ``node<TAG>``: local rank 0 of the node started with NODE_TAG=TAG."""
     if who.startswith("node"):
@@ -139,8 +158,9 @@ def main() -> None:
               "limit_val_batches": val_batches, "check_val_every_n_epoch": None if val_batches else 1}
     hang = None if env("HANG_TIMEOUT", "none") == "none" else float(env("HANG_TIMEOUT"))
     strategy = HybridParallelStrategy(tp=tp, pp=pp, hang_timeout=hang, timeout=timedelta(seconds=300))
+    faults = Faults(out)
     trainer = L.Trainer(strategy=strategy, devices=local, num_nodes=world // local,
-                        callbacks=[checkpoint, Faults(out)], **kwargs)
+                        callbacks=[SettleSaves(checkpoint, faults), checkpoint, faults], **kwargs)
     module = CausalLM(tiny_config(), **make_trainer_kwargs()["module"])
     train, val = make_dataset(GLOBAL_BATCH // dp)
     trainer.fit(module, train_dataloaders=train, val_dataloaders=val if val_batches else None)
