@@ -27,9 +27,9 @@ no memory), the optimizer and LR schedule; then one optimizer step as Lightning 
 pipeline schedule, backward, gradient clipping, AdamW). The schedule runs as many micro-batches of the recipe's size
 as reach its steady-state peak (1F1B: pp + 1, a forward after the first backward; interleaved: up to 2 x pp x v;
 GPipe: all). Pipeline stages are given their shapes, since torch's shape exchange carries nothing on the fake
-backend. It reports per rank: parameter, gradient
-and optimizer-state bytes; the activation peak and the total peak traced by torch's MemTracker; the collectives per
-mesh dimension (calls and bytes); and beside each figure the planner's prediction and the ratio.
+backend. It reports per rank: parameter, gradient and optimizer-state bytes; the activation peak and the total peak
+traced by torch's MemTracker; the collectives per mesh dimension (calls and bytes); and beside each figure the
+planner's prediction and the ratio.
 
 Roles: ranks with the same pipeline coordinate (the same stages, blocks, embedding or head, the same place in the
 schedule) and the same local shard shapes run the same operations on the same shapes and issue the same collectives

@@ -326,12 +326,11 @@ def activation_model(config: Qwen2Config, tp: int = 1, sequence_parallel: bool =
     if mode == "none":
         layer = full
     elif mode == "selective":
-        matmul_outputs = a * (q + 2 * kv + 2 * inter) / tp + 2 * a * h / (tp if sp else 1)
         # with tp > 1 the o_proj and down_proj matmuls' own outputs, before their reduction (all-reduce, or
         # reduce-scatter under sequence parallel), are kept too: full width, full sequence, on every TP rank (the
         # policy saves every matmul output; the dry run of the 72B SFT recipe at 32,768 tokens shows them)
         unreduced = 2 * a * h if tp > 1 else 0.0
-        matmul_outputs += unreduced
+        matmul_outputs = a * (q + 2 * kv + 2 * inter) / tp + 2 * a * h / (tp if sp else 1) + unreduced
         # under sequence parallel the op policy also keeps the outputs of the collectives: the all-gathered (full
         # sequence) inputs of the attention and MLP projections, on every TP rank (the dry run of the 72B recipes)
         gathered = 2 * a * h if sp else 0.0
