@@ -2,34 +2,15 @@
 
 from __future__ import annotations
 
-import copy
 import json
 
 import pytest
 from launch import torchrun
 
+from helpers.gpu_records import HEALTHY_H100, record
 from lightning_hybrid.preflight.cli import _key_values
 from lightning_hybrid.preflight.health import check_gpu_health, gpu_type_from_name, read_nvml
 from lightning_hybrid.preflight.links import bus_bandwidth_factor
-
-HEALTHY_H100 = {
-    "status": "checked", "index": 3, "name": "NVIDIA H100 80GB HBM3", "uuid": "GPU-5f3c",
-    "pci_bus_id": "00000000:9B:00.0",
-    "nvlink": [True] * 18,
-    "pcie": {"gen": 5, "max_gen": 5, "width": 16, "max_width": 16},
-    "ecc": {"volatile_corrected": 0, "volatile_uncorrected": 0, "aggregate_corrected": 2, "aggregate_uncorrected": 0},
-    "retired_pages": {"single_bit": 0, "double_bit": 0, "pending": False},
-    "remapped_rows": {"correctable": 0, "uncorrectable": 0, "pending": False, "failure": False},
-    "clocks": {"sm": 1980, "sm_max": 1980, "mem": 2619, "mem_max": 2619},
-    "throttle_reasons": 0x4,  # software power cap: normal under load
-    "temperature_c": 52,
-}
-
-
-def record(**changes) -> dict:
-    out = copy.deepcopy(HEALTHY_H100)
-    out.update(changes)
-    return out
 
 
 def test_a_healthy_gpu_has_no_findings():

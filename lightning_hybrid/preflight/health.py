@@ -1,7 +1,9 @@
-"""GPU hardware health for the preflight: read NVML, flag NVLink, PCIe, ECC, row-remapping and throttling faults.
+"""The one GPU health judge: NVLink, PCIe, ECC, row-remapping, throttling, temperature and XID findings.
 
-Reading (:func:`read_nvml`) needs ``nvidia-ml-py`` and a GPU and returns a plain dict per device;
-judging (:func:`check_gpu_health`) works on such a dict alone, so it is tested on recorded values.
+Reading is :mod:`lightning_hybrid.preflight.nvml` (:func:`read_nvml`, :class:`NvmlReader`); judging
+(:func:`check_gpu_health`) works on a record alone, so it is tested on recorded values. The preflight judges one
+record; :class:`~lightning_hybrid.callbacks.GPUHealthMonitor` also passes the record taken at the start of training
+(``baseline``): counters (ECC errors, retired pages, remapped rows) are then judged by their increase since then.
 The record's keys (any may be missing or ``None`` when the device does not report it)::
 
     {"index": 0, "name": "NVIDIA H100 80GB HBM3", "uuid": "GPU-...", "pci_bus_id": "00000000:1B:00.0",
@@ -18,11 +20,14 @@ The record's keys (any may be missing or ``None`` when the device does not repor
 from __future__ import annotations
 
 import logging
+from collections.abc import Sequence
 from typing import Any, Optional
 
 from lightning_hybrid.hardware import SYSTEM_GPUS, gpu_from_device_name
+from lightning_hybrid.preflight.nvml import read_nvml
 
-__all__ = ["read_nvml", "check_gpu_health", "gpu_type_from_name", "THROTTLE_REASONS", "CORRECTED_ECC_WARNING"]
+__all__ = ["read_nvml", "check_gpu_health", "gpu_type_from_name", "THROTTLE_REASONS", "CORRECTED_ECC_WARNING",
+           "DEFAULT_THRESHOLDS", "XID_SEVERITY", "check_thresholds"]
 
 # NVML clock-event (throttle) reason bits -> (name, severity or None when harmless).
 THROTTLE_REASONS: dict[int, tuple[str, Optional[str]]] = {
@@ -39,10 +44,40 @@ THROTTLE_REASONS: dict[int, tuple[str, Optional[str]]] = {
     0x400: ("reliability", "warning"),
 }
 CORRECTED_ECC_WARNING = 1000  # corrected (volatile) ECC errors since boot above which a device is suspect
-# Links to probe when nvidia-ml-py predates NVML_NVLINK_MAX_LINKS: NVLink 4 and 5 GPUs have 18.
-_DEFAULT_MAX_NVLINKS = 18
+# What the judge compares with; GPUHealthMonitor(thresholds=...) overrides any of them.
+DEFAULT_THRESHOLDS: dict[str, float] = {
+    "corrected_ecc": 100,          # new corrected ECC errors since the start of training: an error from here on
+    "temperature_warning_c": 85,   # GPU temperature (C) from which a warning is given
+    "temperature_error_c": 92,     # and an error (about the shutdown temperature of H100/B200 boards)
+}
+# XIDs (NVIDIA's "XID errors" list) -> (severity, meaning). Unlisted XIDs are warnings.
+XID_SEVERITY: dict[int, tuple[str, str]] = {
+    13: ("warning", "graphics engine exception"), 31: ("warning", "GPU memory page fault"),
+    43: ("warning", "GPU stopped processing"), 45: ("warning", "preemptive cleanup"),
+    48: ("error", "double-bit ECC error"), 61: ("error", "internal micro-controller breakpoint"),
+    62: ("error", "internal micro-controller halt"), 63: ("warning", "ECC page retirement or row remap recorded"),
+    64: ("error", "ECC page retirement or row remap failed"), 74: ("error", "NVLink error"),
+    79: ("error", "GPU has fallen off the bus"), 92: ("warning", "high single-bit ECC error rate"),
+    94: ("warning", "contained ECC error"), 95: ("error", "uncontained ECC error"),
+    119: ("error", "GSP RPC timeout"), 120: ("error", "GSP error"), 140: ("error", "unrecovered ECC error"),
+}
 
 logger = logging.getLogger(__name__)
+
+
+def check_thresholds(thresholds: Optional[dict[str, Any]]) -> dict[str, float]:
+    """The defaults updated with ``thresholds``; a one-line ``ValueError`` for an unknown key or a bad value."""
+    out = dict(DEFAULT_THRESHOLDS)
+    for key, value in (thresholds or {}).items():
+        if key not in DEFAULT_THRESHOLDS:
+            raise ValueError(f"thresholds key {key!r} is unknown; use {', '.join(DEFAULT_THRESHOLDS)}")
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
+            raise ValueError(f"thresholds[{key!r}]={value!r} must be a number > 0")
+        out[key] = value
+    if out["temperature_warning_c"] > out["temperature_error_c"]:
+        raise ValueError(f"thresholds: temperature_warning_c={out['temperature_warning_c']} is above "
+                         f"temperature_error_c={out['temperature_error_c']}; the warning must come first")
+    return out
 
 
 def gpu_type_from_name(name: str) -> Optional[str]:
@@ -52,15 +87,23 @@ def gpu_type_from_name(name: str) -> Optional[str]:
     return gpu.name if gpu is not None and gpu.name in SYSTEM_GPUS else None
 
 
-def _finding(severity: str, check: str, message: str, record: dict, host: str, rank: Optional[int]) -> dict:
+def _finding(severity: str, check: str, detail: str, record: dict, host: str, rank: Optional[int]) -> dict:
     where = f"host {host or '?'} GPU {record.get('index', '?')}" + (f" (rank {rank})" if rank is not None else "")
     return {"severity": severity, "check": check, "host": host, "gpu": record.get("index"), "rank": rank,
-            "message": f"{where}: {message}"}
+            "detail": detail, "message": f"{where}: {detail}"}
+
+
+def _new(now: Optional[int], start: Optional[int]) -> int:
+    """The increase of a counter since the start (a counter that went down, as after a reset, counts from 0)."""
+    now, start = now or 0, start or 0
+    return now - start if now >= start else now
 
 
 def check_gpu_health(record: dict[str, Any], expected_nvlinks: Optional[int] = None, host: str = "",
-                     rank: Optional[int] = None) -> list[dict]:
-    """Findings for one device record: dicts with ``severity`` (``error``/``warning``), ``check`` and ``message``.
+                     rank: Optional[int] = None, baseline: Optional[dict[str, Any]] = None,
+                     thresholds: Optional[dict[str, float]] = None, xids: Sequence[int] = ()) -> list[dict]:
+    """Findings for one device record: dicts with ``severity`` (``error``/``warning``), ``check``, ``detail`` (the
+    check's values) and ``message`` (``detail`` after the host, GPU and rank).
 
     Args:
         record: an NVML-like record (see the module docstring).
@@ -68,12 +111,29 @@ def check_gpu_health(record: dict[str, Any], expected_nvlinks: Optional[int] = N
             requires every link the device reports to be up.
         host: host name, for the messages.
         rank: global rank that drives the device, for the messages.
+        baseline: the record at the start of training: counters are judged by their increase since then.
+        thresholds: overrides of :data:`DEFAULT_THRESHOLDS` (checked by :func:`check_thresholds`).
+        xids: XID codes seen since the last judgement (:data:`XID_SEVERITY`).
     """
     out: list[dict] = []
+    limits = check_thresholds(thresholds)
 
-    def add(severity: str, check: str, message: str) -> None:
-        out.append(_finding(severity, check, message, record, host, rank))
+    def add(severity: str, check: str, detail: str) -> None:
+        out.append(_finding(severity, check, detail, record, host, rank))
 
+    _judge_links(record, expected_nvlinks, add)
+    if baseline is None:
+        _judge_counters_since_boot(record, add)
+    else:
+        _judge_counters_since_start(record, baseline, limits, add)
+    _judge_states(record, limits, add)
+    for xid in xids:
+        severity, meaning = XID_SEVERITY.get(int(xid), ("warning", "see NVIDIA's XID list"))
+        add(severity, "xid", f"XID {xid} ({meaning})")
+    return out
+
+
+def _judge_links(record: dict, expected_nvlinks: Optional[int], add: Any) -> None:
     links = record.get("nvlink")
     if links is not None:
         gpu = gpu_type_from_name(record.get("name") or "")
@@ -89,6 +149,10 @@ def check_gpu_health(record: dict[str, Any], expected_nvlinks: Optional[int] = N
     if pcie.get("gen") is not None and pcie.get("max_gen") and pcie["gen"] < pcie["max_gen"]:
         add("warning", "pcie_gen", f"PCIe gen {pcie['gen']} of {pcie['max_gen']} (an idle GPU may downshift; "
                                    f"check again under load)")
+
+
+def _judge_counters_since_boot(record: dict, add: Any) -> None:
+    """The preflight's view: every ECC error, retired page and remapped row the device has counted."""
     ecc = record.get("ecc") or {}
     if (ecc.get("volatile_uncorrected") or 0) > 0:
         add("error", "ecc", f"{ecc['volatile_uncorrected']} uncorrected ECC errors since boot")
@@ -97,17 +161,43 @@ def check_gpu_health(record: dict[str, Any], expected_nvlinks: Optional[int] = N
     if (ecc.get("volatile_corrected") or 0) > CORRECTED_ECC_WARNING:
         add("warning", "ecc", f"{ecc['volatile_corrected']} corrected ECC errors since boot")
     retired = record.get("retired_pages") or {}
-    if retired.get("pending"):
-        add("error", "retired_pages", "page retirement pending: reset the GPU")
     if (retired.get("double_bit") or 0) > 0:
         add("warning", "retired_pages", f"{retired['double_bit']} pages retired for double-bit errors")
+    rows = record.get("remapped_rows") or {}
+    if (rows.get("uncorrectable") or 0) > 0:
+        add("warning", "remapped_rows", f"{rows['uncorrectable']} rows remapped for uncorrectable errors")
+
+
+def _judge_counters_since_start(record: dict, start: dict, limits: dict[str, float], add: Any) -> None:
+    """The monitor's view: what the device counted since the start of training."""
+    ecc, ecc0 = record.get("ecc") or {}, start.get("ecc") or {}
+    uncorrected = _new(ecc.get("volatile_uncorrected"), ecc0.get("volatile_uncorrected"))
+    if uncorrected > 0:
+        add("error", "ecc_uncorrected", f"{uncorrected} new uncorrected ECC errors since the start of training")
+    corrected = _new(ecc.get("volatile_corrected"), ecc0.get("volatile_corrected"))
+    if corrected > 0:
+        limit = int(limits["corrected_ecc"])
+        add("error" if corrected >= limit else "warning", "ecc_corrected",
+            f"{corrected} new corrected ECC errors since the start of training (error at {limit})")
+    retired, retired0 = record.get("retired_pages") or {}, start.get("retired_pages") or {}
+    pages = sum(_new(retired.get(k), retired0.get(k)) for k in ("single_bit", "double_bit"))
+    if pages > 0:
+        add("warning", "retired_pages", f"{pages} pages retired since the start of training")
+    rows, rows0 = record.get("remapped_rows") or {}, start.get("remapped_rows") or {}
+    remapped = sum(_new(rows.get(k), rows0.get(k)) for k in ("correctable", "uncorrectable"))
+    if remapped > 0:
+        add("warning", "remapped_rows", f"{remapped} rows remapped since the start of training")
+
+
+def _judge_states(record: dict, limits: dict[str, float], add: Any) -> None:
+    """States judged as they are now: pending retirements and remaps, throttling, temperature."""
+    if (record.get("retired_pages") or {}).get("pending"):
+        add("error", "retired_pages", "page retirement pending: reset the GPU")
     rows = record.get("remapped_rows") or {}
     if rows.get("failure"):
         add("error", "remapped_rows", "row remapping failed: replace the GPU")
     if rows.get("pending"):
         add("error", "remapped_rows", "row remapping pending: reset the GPU")
-    if (rows.get("uncorrectable") or 0) > 0:
-        add("warning", "remapped_rows", f"{rows['uncorrectable']} rows remapped for uncorrectable errors")
     reasons = record.get("throttle_reasons")
     if reasons:
         for bit, (name, severity) in THROTTLE_REASONS.items():
@@ -116,113 +206,8 @@ def check_gpu_health(record: dict[str, Any], expected_nvlinks: Optional[int] = N
                 detail = f" (SM {clocks['sm']} of {clocks['sm_max']} MHz)" if clocks.get("sm") and clocks.get(
                     "sm_max") else ""
                 add(severity, "throttle", f"clocks throttled: {name}{detail}")
-    return out
-
-
-def _nvml_call(fn: Any, *args: Any) -> Any:
-    """``fn(*args)``, or ``None`` when the device does not support the query."""
-    import pynvml
-
-    try:
-        return fn(*args)
-    except pynvml.NVMLError:
-        return None
-
-
-def _text(value: Any) -> Any:
-    return value.decode() if isinstance(value, bytes) else value
-
-
-def read_nvml(index: Optional[int] = None, pci_bus_id: Optional[str] = None) -> dict[str, Any]:
-    """The health record of one GPU (by PCI bus id, else NVML index), or ``{"status": "skipped", ...}``.
-
-    Never raises for a missing ``nvidia-ml-py``, driver or device, or a query the installed ``nvidia-ml-py``
-    lacks: those give a skipped record with the reason.
-    """
-    try:
-        import pynvml
-    except ImportError:
-        return {"status": "skipped", "reason": "nvidia-ml-py is not installed (pip install nvidia-ml-py)"}
-    try:
-        pynvml.nvmlInit()
-    except pynvml.NVMLError as err:  # no driver, or no libnvidia-ml (NVMLError_LibraryNotFound)
-        return {"status": "skipped", "reason": f"NVML is not available: {err}"}
-    try:
-        return _read_record(pynvml, _device_handle(pynvml, index, pci_bus_id))
-    except (pynvml.NVMLError, AttributeError) as err:  # no such device, or an nvidia-ml-py without the query
-        return {"status": "skipped", "reason": f"NVML query failed: {err}"}
-    finally:
-        try:
-            pynvml.nvmlShutdown()
-        except pynvml.NVMLError as err:  # the record is complete; a failed shutdown only leaks NVML's handle
-            logger.debug("nvmlShutdown failed: %s", err)
-
-
-def _device_handle(n: Any, index: Optional[int], pci_bus_id: Optional[str]) -> Any:
-    """The device by PCI bus id (what CUDA reports), else by NVML index (which may order devices differently)."""
-    handle = _nvml_call(n.nvmlDeviceGetHandleByPciBusId, pci_bus_id) if pci_bus_id else None
-    return handle if handle is not None else n.nvmlDeviceGetHandleByIndex(index or 0)
-
-
-def _read_record(n: Any, handle: Any) -> dict[str, Any]:
-    """Every figure of the record (see the module docstring); ``None`` where the device does not report it."""
-    pci = _nvml_call(n.nvmlDeviceGetPciInfo, handle)
-    reasons = getattr(n, "nvmlDeviceGetCurrentClocksEventReasons", None) or n.nvmlDeviceGetCurrentClocksThrottleReasons
-    return {
-        "status": "checked",
-        "index": _nvml_call(n.nvmlDeviceGetIndex, handle),
-        "name": _text(_nvml_call(n.nvmlDeviceGetName, handle)),
-        "uuid": _text(_nvml_call(n.nvmlDeviceGetUUID, handle)),
-        "pci_bus_id": _text(getattr(pci, "busId", None)) if pci is not None else None,
-        "nvlink": _nvlink_states(n, handle),
-        "pcie": {"gen": _nvml_call(n.nvmlDeviceGetCurrPcieLinkGeneration, handle),
-                 "max_gen": _nvml_call(n.nvmlDeviceGetMaxPcieLinkGeneration, handle),
-                 "width": _nvml_call(n.nvmlDeviceGetCurrPcieLinkWidth, handle),
-                 "max_width": _nvml_call(n.nvmlDeviceGetMaxPcieLinkWidth, handle)},
-        "ecc": _ecc_errors(n, handle),
-        "retired_pages": _retired_pages(n, handle),
-        "remapped_rows": _remapped_rows(n, handle),
-        "clocks": {"sm": _nvml_call(n.nvmlDeviceGetClockInfo, handle, n.NVML_CLOCK_SM),
-                   "sm_max": _nvml_call(n.nvmlDeviceGetMaxClockInfo, handle, n.NVML_CLOCK_SM),
-                   "mem": _nvml_call(n.nvmlDeviceGetClockInfo, handle, n.NVML_CLOCK_MEM),
-                   "mem_max": _nvml_call(n.nvmlDeviceGetMaxClockInfo, handle, n.NVML_CLOCK_MEM)},
-        "throttle_reasons": _nvml_call(reasons, handle),
-        "temperature_c": _nvml_call(n.nvmlDeviceGetTemperature, handle, n.NVML_TEMPERATURE_GPU),
-    }
-
-
-def _nvlink_states(n: Any, handle: Any) -> list[bool]:
-    """Up or not, for every link the device has (a link it lacks fails the query and is left out)."""
-    states = (_nvml_call(n.nvmlDeviceGetNvLinkState, handle, link)
-              for link in range(getattr(n, "NVML_NVLINK_MAX_LINKS", _DEFAULT_MAX_NVLINKS)))
-    return [bool(state) for state in states if state is not None]
-
-
-def _ecc_errors(n: Any, handle: Any) -> dict[str, Optional[int]]:
-    """Corrected and uncorrected ECC errors since boot (volatile) and over the device's life (aggregate)."""
-    errors = n.nvmlDeviceGetTotalEccErrors
-    corrected, uncorrected = n.NVML_MEMORY_ERROR_TYPE_CORRECTED, n.NVML_MEMORY_ERROR_TYPE_UNCORRECTED
-    return {"volatile_corrected": _nvml_call(errors, handle, corrected, n.NVML_VOLATILE_ECC),
-            "volatile_uncorrected": _nvml_call(errors, handle, uncorrected, n.NVML_VOLATILE_ECC),
-            "aggregate_corrected": _nvml_call(errors, handle, corrected, n.NVML_AGGREGATE_ECC),
-            "aggregate_uncorrected": _nvml_call(errors, handle, uncorrected, n.NVML_AGGREGATE_ECC)}
-
-
-def _retired_pages(n: Any, handle: Any) -> dict[str, Any]:
-    """Pages retired for single- and double-bit errors and whether a retirement waits for a reset (pre-Hopper)."""
-    pages = n.nvmlDeviceGetRetiredPages
-    single = _nvml_call(pages, handle, n.NVML_PAGE_RETIREMENT_CAUSE_MULTIPLE_SINGLE_BIT_ECC_ERRORS)
-    double = _nvml_call(pages, handle, n.NVML_PAGE_RETIREMENT_CAUSE_DOUBLE_BIT_ECC_ERROR)
-    pending = _nvml_call(n.nvmlDeviceGetRetiredPagesPendingStatus, handle)
-    return {"single_bit": len(single) if single is not None else None,
-            "double_bit": len(double) if double is not None else None,
-            "pending": bool(pending) if pending is not None else None}
-
-
-def _remapped_rows(n: Any, handle: Any) -> Optional[dict[str, Any]]:
-    """Rows remapped for correctable and uncorrectable errors, a pending remap and a failed one (Ampere on)."""
-    remapped = _nvml_call(n.nvmlDeviceGetRemappedRows, handle)
-    if remapped is None:
-        return None
-    return {"correctable": int(remapped[0]), "uncorrectable": int(remapped[1]), "pending": bool(remapped[2]),
-            "failure": bool(remapped[3])}
+    temperature = record.get("temperature_c")
+    if temperature is not None and temperature >= limits["temperature_warning_c"]:
+        error = temperature >= limits["temperature_error_c"]
+        level = limits["temperature_error_c" if error else "temperature_warning_c"]
+        add("error" if error else "warning", "temperature", f"temperature {temperature} C (>= {level:g} C)")
