@@ -17,6 +17,10 @@
 #     GPUS_PER_NODE / (tp x pp) must stay a whole number at every size in between, and the global batch must
 #     still divide. A node that comes back joins at the next restart.
 #   * restarts used up, or fewer than MIN_NODES left: run this script again on every node; it resumes.
+#   * GPUHealthMonitor (72B recipes) stops the run on a GPU fault with exit code 76 and writes the faulty hosts to
+#     <dirpath>/exclude_hosts.txt. Plain torchrun cannot choose nodes: on a listed host this script refuses to start
+#     (exit 76) and says so; the operator replaces the node (Kubernetes: `kubectl cordon HOST` and let the job
+#     reschedule) and removes the line from the file. Other nodes print the listed hosts and go on.
 #
 # Environment: NNODES (nodes, default 1), NODE_RANK (this node, 0 on the rendezvous host), MASTER_ADDR (address of
 # node 0), MASTER_PORT (29500), GPUS_PER_NODE (8), MAX_RESTARTS (3), MIN_NODES (NNODES: no shrinking), RUN_DIR (shared folder the recipe's relative
@@ -68,6 +72,20 @@ torchrun_args() {  # torchrun_args PORT [MIN_NODES]: a fixed number of nodes, or
 
 mkdir -p "$RUN_DIR"
 cd "$RUN_DIR"
+
+# ---- hosts GPUHealthMonitor found faulty: this node must not rejoin if it is one of them
+# shellcheck source=slurm/exclude_hosts.sh
+source "$(dirname "$(realpath "$0")")/slurm/exclude_hosts.sh"
+EXCLUDE_FILE=${EXCLUDE_FILE:-$RUN_DIR/$(recipe_checkpoint_dir "$RECIPE")/exclude_hosts.txt}
+EXCLUDED=$(exclude_hosts_list "$EXCLUDE_FILE")
+if [ -n "$EXCLUDED" ]; then
+    if [ -n "$(hosts_in_list "$(hostname)" "$EXCLUDED")" ]; then
+        echo "this node ($(hostname)) is listed as faulty in $EXCLUDE_FILE: not starting. Operator: replace it (Kubernetes:" \
+             "kubectl cordon $(hostname)), start the run on healthy nodes, and remove the line once it is repaired" >&2
+        exit 76
+    fi
+    echo "hosts excluded by GPUHealthMonitor ($EXCLUDE_FILE): $EXCLUDED; make sure none of them is in this job"
+fi
 echo "node $NODE_RANK of $NNODES: $RECIPE, rendezvous $MASTER_ADDR:$MASTER_PORT, run dir $RUN_DIR"
 
 # ---- 0. dry run of this node's ranks on one CPU (fake process group, no GPU memory): a recipe that cannot build or

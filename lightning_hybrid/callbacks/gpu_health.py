@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any, Optional
 
 import lightning.pytorch as pl
-from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
+from lightning.pytorch.utilities import rank_zero_info
 
 from lightning_hybrid.callbacks.fault_tolerant import FaultTolerantCheckpoint
 from lightning_hybrid.callbacks.gpu_poll import all_gather_reports, device_figures, finding_line, node_metrics
@@ -245,7 +245,7 @@ class GPUHealthMonitor(pl.Callback):
                 self.findings.append({"step": step, "rank": report["rank"], "host": report["host"],
                                       "severity": severity, "check": check, "line": line})
                 if trainer.is_global_zero:
-                    (rank_zero_warn if severity == "error" else rank_zero_info)(line)
+                    log.warning(line)
         self.last_metrics = node_metrics(reports)
         if trainer.is_global_zero:
             for logger in trainer.loggers:
