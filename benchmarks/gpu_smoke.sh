@@ -1,7 +1,7 @@
 #!/bin/bash
 # GPU smoke test, for the day a GPU is available: one command, under 8 minutes on one H200.
 #
-#   bash benchmarks/gpu_smoke.sh                    # all four steps, results under gpu-smoke/
+#   bash benchmarks/gpu_smoke.sh                    # all five steps, results under gpu-smoke/
 #   bash benchmarks/gpu_smoke.sh --only mfu,ckpt    # some of them
 #   bash benchmarks/gpu_smoke.sh --print            # the commands it would run (works without a GPU)
 #
@@ -11,13 +11,16 @@
 #   preflight  `lightning-hybrid preflight` on 1 GPU with the NVML health check (temperatures, ECC, clocks, NVLinks)
 #   ckpt       the tiny recipe with FaultTolerantCheckpoint: 20 steps saving at 10 and 20, then a second run that
 #              resumes from step 20 and trains to 30 (a save and a load of a sharded checkpoint)
+#   gpu-health benchmarks/gpu_health_poll.py: one GPUHealthMonitor poll on the real device (NVML record through the
+#              monitor's reader, XID event registration, judgement against the first record), then the tiny recipe
+#              with GPUHealthMonitor polling every 10 steps for 20 steps (on_fault=warn)
 # It prints one summary table (step, status, seconds, the step's figure) and writes each step's log to OUT/.
 #
 # Options: --out DIR (gpu-smoke), --gpu NAME of the hardware table for the preflight's expected figures (h200),
 # --only STEPS (comma-separated), --print (print the commands, run nothing), -h/--help.
 set -uo pipefail
 
-STEPS_ALL="mfu tiny-nccl preflight ckpt"
+STEPS_ALL="mfu tiny-nccl preflight ckpt gpu-health"
 OUT=gpu-smoke
 GPU=h200
 ONLY=""
@@ -56,6 +59,8 @@ ON_GPU=(--trainer.accelerator gpu --trainer.devices 1 --trainer.strategy.tp 1 --
         --trainer.limit_val_batches 2 --trainer.enable_progress_bar false --trainer.logger.init_args.save_dir "$OUT")
 CKPT=(--trainer.callbacks+=lightning_hybrid.callbacks.FaultTolerantCheckpoint
       --trainer.callbacks.dirpath "$OUT/ckpt" --trainer.callbacks.every_n_steps 10 --trainer.callbacks.async_save false)
+MONITOR=(--trainer.callbacks+=lightning_hybrid.callbacks.GPUHealthMonitor --trainer.callbacks.every_n_steps 10
+         --trainer.callbacks.on_fault warn)
 
 command_of() {  # the command line of one step, one word per line
     case "$1" in
@@ -68,9 +73,11 @@ command_of() {  # the command line of one step, one word per line
         ckpt) printf '%s\n' bash -c "set -e; for steps in 20 30; do torchrun --nproc_per_node 1 \
 $(command -v $LH || echo $LH) fit --config $TINY ${ON_GPU[*]} ${CKPT[*]} --trainer.max_steps \$steps; done; \
 ls $OUT/ckpt" ;;
+        gpu-health) printf '%s\n' bash -c "set -e; python $HERE/benchmarks/gpu_health_poll.py; torchrun --nproc_per_node 1 \
+$(command -v $LH || echo $LH) fit --config $TINY ${ON_GPU[*]} ${MONITOR[*]} --trainer.max_steps 20" ;;
     esac
 }
-LIMITS="mfu=180 tiny-nccl=90 preflight=120 ckpt=150"  # seconds; 540 s in all, typically well under 8 minutes
+LIMITS="mfu=180 tiny-nccl=90 preflight=120 ckpt=150 gpu-health=90"  # seconds; 630 s in all, typically under 8 minutes
 
 if [ "$PRINT" = 1 ]; then
     for step in $STEPS; do
@@ -98,6 +105,8 @@ for step in $STEPS; do
         tiny-nccl) FIGURE[$step]=$(grep -oE 'throughput: [0-9,]+ tokens/s' "$OUT/$step.log" | tail -1) ;;
         preflight) FIGURE[$step]=$(grep -oE '"(ok|passed)": *(true|false)' "$OUT/$step.log" | head -1) ;;
         ckpt) FIGURE[$step]=$(grep -oE 'step-[0-9]+' "$OUT/$step.log" | sort -u | tr '\n' ' ') ;;
+        gpu-health) FIGURE[$step]=$(grep -oE '"(read_seconds|xid_events)": [^,]+|GPU health monitor[^(]*' \
+                        "$OUT/$step.log" | tr '\n' ' ') ;;
     esac
 done
 printf '\n| %-10s | %-14s | %7s | %s\n' step status seconds figure
