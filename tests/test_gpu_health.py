@@ -78,6 +78,8 @@ def test_xids_are_judged_by_nvidias_list():
     assert judge(HEALTHY_H100, xids=[79, 31, 9999]) == [
         ("error", "xid", "XID 79 (GPU has fallen off the bus)"), ("warning", "xid", "XID 31 (GPU memory page fault)"),
         ("warning", "xid", "XID 9999 (see NVIDIA's XID list)")]
+    assert judge(HEALTHY_H100, xids=[13] * 50 + [48]) == [("warning", "xid", "XID 13 (graphics engine exception) x 50"),
+                                                         ("error", "xid", "XID 48 (double-bit ECC error)")]
 
 
 def test_the_preflight_view_without_a_start_is_unchanged():

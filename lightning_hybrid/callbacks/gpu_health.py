@@ -144,6 +144,7 @@ class GPUHealthMonitor(pl.Callback):
     # ------------------------------------------------------------------ start
 
     def on_train_start(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
+        self._known_at_start, self._reported, self._last_poll = set(), set(), -1  # a new fit: a new start record
         reason = self._open(trainer)
         self.active = self._anyone_active(trainer, reason is None)
         if not self.active:
@@ -203,7 +204,7 @@ class GPUHealthMonitor(pl.Callback):
         if not self.active:
             return
         step = trainer.global_step
-        if step % self.every_n_steps or step == self._last_poll:
+        if step % self.every_n_steps or step == self._last_poll or step == 0:  # 0: accumulating, nothing trained
             return
         self._last_poll = step
         import time

@@ -127,9 +127,12 @@ def check_gpu_health(record: dict[str, Any], expected_nvlinks: Optional[int] = N
     else:
         _judge_counters_since_start(record, baseline, limits, add)
     _judge_states(record, limits, add)
-    for xid in xids:
-        severity, meaning = XID_SEVERITY.get(int(xid), ("warning", "see NVIDIA's XID list"))
-        add(severity, "xid", f"XID {xid} ({meaning})")
+    counts: dict[int, int] = {}
+    for xid in xids:  # a storm of one XID is one finding with its count
+        counts[int(xid)] = counts.get(int(xid), 0) + 1
+    for xid, count in counts.items():
+        severity, meaning = XID_SEVERITY.get(xid, ("warning", "see NVIDIA's XID list"))
+        add(severity, "xid", f"XID {xid} ({meaning})" + (f" x {count}" if count > 1 else ""))
     return out
 
 
