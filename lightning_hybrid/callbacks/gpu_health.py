@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import logging
 import socket
+import time
 from pathlib import Path
 from typing import Any, Optional
 
@@ -207,8 +208,6 @@ class GPUHealthMonitor(pl.Callback):
         if step % self.every_n_steps or step == self._last_poll or step == 0:  # 0: accumulating, nothing trained
             return
         self._last_poll = step
-        import time
-
         started = time.perf_counter()
         reports = all_gather_reports(self._local_report(), getattr(trainer.strategy, "checkpoint_group", None))
         errors = self._report(trainer, reports, step)
