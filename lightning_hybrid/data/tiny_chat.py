@@ -1,9 +1,11 @@
 """A tiny chat tokenizer and conversations made here, for the CPU SFT recipe and the tests (no download).
 
 ``python -m lightning_hybrid.data.tiny_chat OUT`` writes ``OUT/tokenizer`` (a byte-level ``tokenizers`` BPE
-without merges: 256 byte tokens plus ``<|endoftext|>``, ``<|im_start|>``, ``<|im_end|>``, wrapped as a
-``PreTrainedTokenizerFast`` with a ChatML Jinja template like Qwen2.5's) and ``OUT/chat.jsonl`` (synthetic
-arithmetic conversations with a system, user and assistant turn).
+without merges, wrapped as a ``PreTrainedTokenizerFast`` with a ChatML Jinja template like Qwen2.5's) and
+``OUT/chat.jsonl`` (synthetic arithmetic conversations with a system, user and assistant turn).
+
+The vocabulary is the ``tiny`` preset's 256 ids: 253 byte tokens (the control bytes 0x00-0x02 are left out, they
+do not occur in text) and ``<|endoftext|>``, ``<|im_start|>``, ``<|im_end|>`` as ids 253-255.
 """
 
 from __future__ import annotations
@@ -36,7 +38,8 @@ CHATML_GENERATION_TEMPLATE = (
     "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
 )
 SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
-TINY_CHAT_VOCAB = 256 + len(SPECIAL_TOKENS)
+TINY_CHAT_VOCAB = 256
+_LEFT_OUT_BYTES = (0, 1, 2)  # ByteLevel writes bytes 0, 1, 2 as U+0100, U+0101, U+0102
 
 
 def build_tiny_chat_tokenizer(folder: Union[str, Path], chat_template: Optional[str] = CHATML_TEMPLATE) -> Path:
@@ -47,8 +50,9 @@ def build_tiny_chat_tokenizer(folder: Union[str, Path], chat_template: Optional[
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
-    alphabet = pre_tokenizers.ByteLevel.alphabet()
-    vocab = {char: i for i, char in enumerate(sorted(alphabet))}
+    left_out = {chr(256 + b) for b in _LEFT_OUT_BYTES}
+    alphabet = sorted(set(pre_tokenizers.ByteLevel.alphabet()) - left_out)
+    vocab = {char: i for i, char in enumerate(alphabet)}
     raw = Tokenizer(models.BPE(vocab=vocab, merges=[]))
     raw.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
     raw.decoder = decoders.ByteLevel()
