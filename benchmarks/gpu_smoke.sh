@@ -11,13 +11,15 @@
 #   preflight  `lightning-hybrid preflight` on 1 GPU with the NVML health check (temperatures, ECC, clocks, NVLinks)
 #   ckpt       the tiny recipe with FaultTolerantCheckpoint: 20 steps saving at 10 and 20, then a second run that
 #              resumes from step 20 and trains to 30 (a save and a load of a sharded checkpoint)
+#   docmask    benchmarks/document_mask.py: FlexAttention with a document BlockMask (packed SFT rows) against
+#              per-document SDPA, output and gradients, and its time against plain causal attention
 # It prints one summary table (step, status, seconds, the step's figure) and writes each step's log to OUT/.
 #
 # Options: --out DIR (gpu-smoke), --gpu NAME of the hardware table for the preflight's expected figures (h200),
 # --only STEPS (comma-separated), --print (print the commands, run nothing), -h/--help.
 set -uo pipefail
 
-STEPS_ALL="mfu tiny-nccl preflight ckpt"
+STEPS_ALL="mfu tiny-nccl preflight ckpt docmask"
 OUT=gpu-smoke
 GPU=h200
 ONLY=""
@@ -68,9 +70,10 @@ command_of() {  # the command line of one step, one word per line
         ckpt) printf '%s\n' bash -c "set -e; for steps in 20 30; do torchrun --nproc_per_node 1 \
 $(command -v $LH || echo $LH) fit --config $TINY ${ON_GPU[*]} ${CKPT[*]} --trainer.max_steps \$steps; done; \
 ls $OUT/ckpt" ;;
+        docmask) printf '%s\n' python "$HERE/benchmarks/document_mask.py" --device cuda --seq-len 4096 ;;
     esac
 }
-LIMITS="mfu=180 tiny-nccl=90 preflight=120 ckpt=150"  # seconds; 540 s in all, typically well under 8 minutes
+LIMITS="mfu=180 tiny-nccl=90 preflight=120 ckpt=150 docmask=90"  # seconds; 630 s in all, typically under 8 minutes
 
 if [ "$PRINT" = 1 ]; then
     for step in $STEPS; do
@@ -98,6 +101,7 @@ for step in $STEPS; do
         tiny-nccl) FIGURE[$step]=$(grep -oE 'throughput: [0-9,]+ tokens/s' "$OUT/$step.log" | tail -1) ;;
         preflight) FIGURE[$step]=$(grep -oE '"(ok|passed)": *(true|false)' "$OUT/$step.log" | head -1) ;;
         ckpt) FIGURE[$step]=$(grep -oE 'step-[0-9]+' "$OUT/$step.log" | sort -u | tr '\n' ' ') ;;
+        docmask) FIGURE[$step]=$(grep -E '^\| cuda' "$OUT/$step.log" | tail -1) ;;
     esac
 done
 printf '\n| %-10s | %-14s | %7s | %s\n' step status seconds figure

@@ -49,19 +49,25 @@ def _flex_document_attention(q: Tensor, k: Tensor, v: Tensor, position_ids: Tens
     """FlexAttention with a document BlockMask (CUDA): blocks of the mask that are empty are skipped."""
     from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 
-    global _compiled_flex
+    global _compiled_flex, _block_mask_cache
     if _compiled_flex is None:
         _compiled_flex = torch.compile(flex_attention, dynamic=False)
-    pos = position_ids
+    # Every block of one forward gets the same position_ids tensor: build its BlockMask once, not once per layer.
+    key = (position_ids.data_ptr(), tuple(position_ids.shape), position_ids._version, q.shape[2], k.shape[2])
+    if _block_mask_cache is None or _block_mask_cache[0] != key:
+        pos = position_ids
 
-    def mask_mod(b: Tensor, h: Tensor, q_idx: Tensor, kv_idx: Tensor) -> Tensor:
-        return (kv_idx <= q_idx) & (q_idx - kv_idx <= pos[b, q_idx])
+        def mask_mod(b: Tensor, h: Tensor, q_idx: Tensor, kv_idx: Tensor) -> Tensor:
+            return (kv_idx <= q_idx) & (q_idx - kv_idx <= pos[b, q_idx])
 
-    block_mask = create_block_mask(mask_mod, q.shape[0], None, q.shape[2], k.shape[2], device=q.device)
-    return _compiled_flex(q, k, v, block_mask=block_mask, enable_gqa=k.shape[1] != q.shape[1])
+        # _compile: the mask is evaluated block by block, never as a (seq x seq) tensor.
+        mask = create_block_mask(mask_mod, q.shape[0], None, q.shape[2], k.shape[2], device=q.device, _compile=True)
+        _block_mask_cache = (key, mask)
+    return _compiled_flex(q, k, v, block_mask=_block_mask_cache[1], enable_gqa=k.shape[1] != q.shape[1])
 
 
 _compiled_flex: Optional[Any] = None
+_block_mask_cache: Optional[tuple[Any, Any]] = None
 
 
 class CausalAttention:
