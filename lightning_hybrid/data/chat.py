@@ -54,7 +54,7 @@ def load_chat_tokenizer(path: str, chat_template: Optional[str] = None) -> Any:
     """
     from transformers import AutoTokenizer
 
-    from lightning_hybrid.data.prepare import TOKENIZER_PATTERNS
+    from lightning_hybrid.data.sources import TOKENIZER_PATTERNS
     from lightning_hybrid.hub import resolve_hf_path
 
     hf = AutoTokenizer.from_pretrained(str(resolve_hf_path(path, allow_patterns=TOKENIZER_PATTERNS)))

@@ -23,11 +23,16 @@ import numpy as np
 
 from lightning_hybrid.data.packed import INDEX_FILE, TOKENS_FILE
 from lightning_hybrid.data.parallel_map import ordered_map
-from lightning_hybrid.data.sources import ARROW_SUFFIXES, PARQUET_SUFFIXES, expand_inputs, iter_records
+from lightning_hybrid.data.sources import (
+    ARROW_SUFFIXES,
+    PARQUET_SUFFIXES,
+    TOKENIZER_PATTERNS,
+    expand_inputs,
+    iter_records,
+)
 
 __all__ = ["prepare_data", "prepare_main", "load_tokenizer", "Tokenizer", "iter_documents"]
 
-TOKENIZER_PATTERNS = ("*.json", "*.txt", "*.model", "*.tiktoken", "*.jinja")
 _JSONL_SUFFIXES = (".jsonl", ".ndjson")
 
 
@@ -165,6 +170,29 @@ def _batches(items: Iterable[str], size: int) -> Iterator[list[str]]:
 _text_tokenizer: Optional[Tokenizer] = None
 
 
+def _with_eos(ids: list[list[int]], eos_token_id: int) -> np.ndarray:
+    """The documents' ids concatenated, each followed by EOS.
+
+    Raises:
+        ValueError: a token id does not fit uint32.
+    """
+    flat = np.empty(sum(len(doc) + 1 for doc in ids), dtype=np.int64)
+    position = 0
+    for doc in ids:
+        flat[position:position + len(doc)] = doc
+        flat[position + len(doc)] = eos_token_id
+        position += len(doc) + 1
+    if flat.size and (flat.min() < 0 or flat.max() >= 2**32):
+        raise ValueError(f"token id {int(flat.max())} does not fit uint32")
+    return flat
+
+
+def _checked_inputs(inputs: Sequence[Union[str, Path]], workers: int) -> list[Path]:
+    if not isinstance(workers, int) or isinstance(workers, bool) or workers < 1:
+        raise ValueError(f"workers={workers!r} must be a positive integer")
+    return expand_inputs(inputs)
+
+
 def _init_text_worker(tokenizer: Union[str, Tokenizer], eos_token: Optional[str]) -> None:
     global _text_tokenizer
     _text_tokenizer = tokenizer if isinstance(tokenizer, Tokenizer) else load_tokenizer(tokenizer, eos_token)
@@ -192,9 +220,7 @@ def prepare_data(tokenizer: Union[str, Tokenizer], inputs: Sequence[Union[str, P
     """
     if not isinstance(seq_len, int) or seq_len < 1:
         raise ValueError(f"seq_len={seq_len!r} must be a positive integer")
-    if not isinstance(workers, int) or isinstance(workers, bool) or workers < 1:
-        raise ValueError(f"workers={workers!r} must be a positive integer")
-    inputs = expand_inputs(inputs)  # checked before the tokenizer, which may be a download
+    inputs = _checked_inputs(inputs, workers)  # checked before the tokenizer, which may be a download
     tok = tokenizer if isinstance(tokenizer, Tokenizer) else load_tokenizer(tokenizer, eos_token)
     out = Path(output)
     if (out / INDEX_FILE).exists() and not overwrite:
@@ -210,14 +236,7 @@ def prepare_data(tokenizer: Union[str, Tokenizer], inputs: Sequence[Union[str, P
             # the same bytes.
             for count, ids in ordered_map(_encode_with_worker_tokenizer, batches, workers, _init_text_worker,
                                           (tok.source if workers > 1 else tok, eos_token)):
-                flat = np.empty(sum(len(doc) + 1 for doc in ids), dtype=np.int64)
-                position = 0
-                for doc in ids:
-                    flat[position:position + len(doc)] = doc
-                    flat[position + len(doc)] = tok.eos_token_id
-                    position += len(doc) + 1
-                if flat.size and (flat.min() < 0 or flat.max() >= 2**32):
-                    raise ValueError(f"token id {int(flat.max())} does not fit uint32")
+                flat = _with_eos(ids, tok.eos_token_id)
                 flat.astype(np.uint32).tofile(sink)
                 num_tokens += int(flat.size)
                 documents += count

@@ -125,6 +125,28 @@ class _RowWriter:
             os.replace(self.folder / f"{name}.partial", self.folder / name)
 
 
+def _pack(encoded: Iterator[list[tuple[np.ndarray, np.ndarray]]], writer: _RowWriter, seq_len: int, overlong: str,
+          pack_window: int, stats: dict[str, int]) -> None:
+    """Pack encoded conversations window by window (first-fit decreasing), counting what is dropped or cut."""
+    window: list[tuple[np.ndarray, np.ndarray]] = []
+    for batch in encoded:
+        for ids, mask in batch:
+            if len(ids) > seq_len:
+                if overlong == "drop":
+                    stats["dropped"] += 1
+                    continue
+                ids, mask = ids[:seq_len], mask[:seq_len]
+                stats["truncated"] += 1
+            stats["conversations"] += 1
+            stats["assistant_tokens"] += int(mask.sum())
+            window.append((ids, mask))
+            if len(window) == pack_window:
+                writer.write(window, first_fit_decreasing([len(c[0]) for c in window], seq_len))
+                window = []
+    if window:
+        writer.write(window, first_fit_decreasing([len(c[0]) for c in window], seq_len))
+
+
 def prepare_chat(tokenizer: str, inputs: Sequence[Union[str, Path]], output: Union[str, Path], seq_len: int,
                  messages_key: str = "messages", chat_template: Optional[str] = None, overlong: str = "drop",
                  strict: bool = False, workers: int = 1, pack_window: int = 1000, batch_size: int = 64,
@@ -153,28 +175,12 @@ def prepare_chat(tokenizer: str, inputs: Sequence[Union[str, Path]], output: Uni
         raise ValueError(f"{out} already holds prepared data; pass --overwrite or another --output")
     out.mkdir(parents=True, exist_ok=True)
     (out / "index.json").unlink(missing_ok=True)  # the index goes last: until then the folder is unfinished
-    stats = {"skipped_no_assistant": 0, "dropped": 0, "truncated": 0}
+    stats = {"skipped_no_assistant": 0, "dropped": 0, "truncated": 0, "conversations": 0, "assistant_tokens": 0}
     writer = _RowWriter(out, seq_len, int(pad_id))
-    conversations = assistant = 0
-    window: list[tuple[np.ndarray, np.ndarray]] = []
     try:
         batches = _conversations(paths, messages_key, strict, stats, batch_size)
-        for encoded in ordered_map(_encode_batch, batches, workers, _init_worker, (tokenizer, chat_template)):
-            for ids, mask in encoded:
-                if len(ids) > seq_len:
-                    if overlong == "drop":
-                        stats["dropped"] += 1
-                        continue
-                    ids, mask = ids[:seq_len], mask[:seq_len]
-                    stats["truncated"] += 1
-                conversations += 1
-                assistant += int(mask.sum())
-                window.append((ids, mask))
-                if len(window) == pack_window:
-                    writer.write(window, first_fit_decreasing([len(c[0]) for c in window], seq_len))
-                    window = []
-        if window:
-            writer.write(window, first_fit_decreasing([len(c[0]) for c in window], seq_len))
+        encoded = ordered_map(_encode_batch, batches, workers, _init_worker, (tokenizer, chat_template))
+        _pack(encoded, writer, seq_len, overlong, pack_window, stats)
         writer.close()
     except BaseException:
         writer.close()
@@ -188,9 +194,8 @@ def prepare_chat(tokenizer: str, inputs: Sequence[Union[str, Path]], output: Uni
     writer.commit()
     index = {
         "format": CHAT_FORMAT, "version": 1, "seq_len": seq_len, "num_rows": writer.rows,
-        "num_tokens": writer.rows * seq_len, "dtype": "uint32", "conversations": conversations,
-        "conversation_tokens": writer.used, "assistant_tokens": assistant,
-        "assistant_fraction": assistant / max(1, writer.used),
+        "num_tokens": writer.rows * seq_len, "dtype": "uint32", "conversation_tokens": writer.used,
+        "assistant_fraction": stats["assistant_tokens"] / max(1, writer.used),
         "packing_efficiency": writer.used / (writer.rows * seq_len),
         **stats, "pad_token_id": int(pad_id), "eos_token_id": hf.eos_token_id, "tokenizer": str(tokenizer),
         "vocab_size": len(hf), "chat_template": chat_template, "messages_key": messages_key,

@@ -10,9 +10,12 @@ from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any, Union
 
-__all__ = ["expand_inputs", "iter_records", "JSONL_SUFFIXES", "PARQUET_SUFFIXES", "ARROW_SUFFIXES"]
+__all__ = ["expand_inputs", "iter_records", "JSONL_SUFFIXES", "PARQUET_SUFFIXES", "ARROW_SUFFIXES",
+           "TOKENIZER_PATTERNS"]
 
 JSONL_SUFFIXES = (".jsonl", ".ndjson", ".json")
+# The files of a tokenizer folder (fetched from the Hub without the weights).
+TOKENIZER_PATTERNS = ("*.json", "*.txt", "*.model", "*.tiktoken", "*.jinja")
 PARQUET_SUFFIXES = (".parquet",)
 ARROW_SUFFIXES = (".arrow",)
 
