@@ -85,6 +85,7 @@ def test_labels_are_exactly_the_assistant_tokens(tmp_path, tokenizers, template)
         seen += 1
     assert seen == len(CONVERSATIONS)
     assert index["assistant_tokens"] == sum(sum(m) for m in expected.values())
+    assert PackedTokenDataModule(str(tmp_path / "out")).document_mask  # on by default for chat folders
 
 
 def test_first_fit_decreasing_and_packing_summary(tmp_path, tokenizers, capsys):
