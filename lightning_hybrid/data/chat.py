@@ -52,7 +52,11 @@ def load_chat_tokenizer(path: str, chat_template: Optional[str] = None) -> Any:
     Raises:
         ValueError: the tokenizer is not a fast one, or has no chat template and none was given.
     """
-    from transformers import AutoTokenizer
+    try:
+        from transformers import AutoTokenizer
+    except ImportError as err:
+        raise ValueError("prepare-data --format chat needs transformers (apply_chat_template); "
+                         "pip install 'lightning-hybrid[data]'") from err
 
     from lightning_hybrid.data.sources import TOKENIZER_PATTERNS
     from lightning_hybrid.hub import resolve_hf_path

@@ -43,7 +43,10 @@ def is_hf_dataset_folder(path: Path) -> bool:
 
 
 def _parquet_rows(path: Path, column: str) -> Iterator[tuple[str, Any]]:
-    import pyarrow.parquet as pq
+    try:
+        import pyarrow.parquet as pq
+    except ImportError as err:
+        raise ValueError(f"{path}: reading Parquet needs pyarrow; pip install 'lightning-hybrid[data]'") from err
 
     file = pq.ParquetFile(path)
     names = file.schema_arrow.names
@@ -60,8 +63,9 @@ def _parquet_rows(path: Path, column: str) -> Iterator[tuple[str, Any]]:
 def _hf_rows(path: Path, column: str) -> Iterator[tuple[str, Any]]:
     try:
         import datasets
-    except ImportError as err:  # pragma: no cover - datasets is a dependency of the test extra
-        raise ValueError(f"{path} is a Hugging Face datasets folder; pip install datasets") from err
+    except ImportError as err:
+        raise ValueError(f"{path}: reading a datasets folder needs datasets; pip install 'lightning-hybrid[data]'"
+                         ) from err
     data = datasets.Dataset.from_file(str(path)) if path.is_file() else datasets.load_from_disk(str(path))
     if isinstance(data, datasets.DatasetDict):
         if "train" not in data:
