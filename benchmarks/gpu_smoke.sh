@@ -14,13 +14,15 @@
 #   gpu-health benchmarks/gpu_health_poll.py: one GPUHealthMonitor poll on the real device (NVML record through the
 #              monitor's reader, XID event registration, judgement against the first record), then the tiny recipe
 #              with GPUHealthMonitor polling every 10 steps for 20 steps (on_fault=warn)
+#   docmask    benchmarks/document_mask.py: FlexAttention with a document BlockMask (packed SFT rows) against
+#              per-document SDPA, output and gradients, and its time against plain causal attention
 # It prints one summary table (step, status, seconds, the step's figure) and writes each step's log to OUT/.
 #
 # Options: --out DIR (gpu-smoke), --gpu NAME of the hardware table for the preflight's expected figures (h200),
 # --only STEPS (comma-separated), --print (print the commands, run nothing), -h/--help.
 set -uo pipefail
 
-STEPS_ALL="mfu tiny-nccl preflight ckpt gpu-health"
+STEPS_ALL="mfu tiny-nccl preflight ckpt gpu-health docmask"
 OUT=gpu-smoke
 GPU=h200
 ONLY=""
@@ -75,9 +77,10 @@ $(command -v $LH || echo $LH) fit --config $TINY ${ON_GPU[*]} ${CKPT[*]} --train
 ls $OUT/ckpt" ;;
         gpu-health) printf '%s\n' bash -c "set -e; python $HERE/benchmarks/gpu_health_poll.py; torchrun --nproc_per_node 1 \
 $(command -v $LH || echo $LH) fit --config $TINY ${ON_GPU[*]} ${MONITOR[*]} --trainer.max_steps 20" ;;
+        docmask) printf '%s\n' python "$HERE/benchmarks/document_mask.py" --device cuda --seq-len 4096 ;;
     esac
 }
-LIMITS="mfu=180 tiny-nccl=90 preflight=120 ckpt=150 gpu-health=90"  # seconds; 630 s in all, typically under 8 minutes
+LIMITS="mfu=180 tiny-nccl=90 preflight=120 ckpt=150 gpu-health=90 docmask=90"  # seconds; 720 s in all
 
 if [ "$PRINT" = 1 ]; then
     for step in $STEPS; do
@@ -107,6 +110,7 @@ for step in $STEPS; do
         ckpt) FIGURE[$step]=$(grep -oE 'step-[0-9]+' "$OUT/$step.log" | sort -u | tr '\n' ' ') ;;
         gpu-health) FIGURE[$step]=$(grep -oE '"(read_seconds|xid_events)": [^,]+|GPU health monitor[^(]*' \
                         "$OUT/$step.log" | tr '\n' ' ') ;;
+        docmask) FIGURE[$step]=$(grep -E '^\| cuda' "$OUT/$step.log" | tail -1) ;;
     esac
 done
 printf '\n| %-10s | %-14s | %7s | %s\n' step status seconds figure

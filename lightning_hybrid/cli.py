@@ -22,7 +22,7 @@ TOOLS: dict[str, tuple[str, str]] = {
     "plan": ("lightning_hybrid.planner.cli:run_plan", "choose tp/pp/dp/micro-batching for a model and cluster"),
     "preflight": ("lightning_hybrid.preflight.cli:preflight_main",
                   "measure link bandwidth per mesh dimension (torchrun)"),
-    "prepare-data": ("lightning_hybrid.data.prepare:prepare_main", "tokenize text/JSONL into a packed token file"),
+    "prepare-data": ("lightning_hybrid.data.prepare:prepare_main", "tokenize text or chat data into packed tokens"),
     "export-hf": ("lightning_hybrid.checkpoint.export:export_main", "write a Hugging Face folder from a checkpoint"),
     "dry-run": ("lightning_hybrid.dryrun.cli:dry_run_main", "build every rank of a recipe and trace a step on one CPU"),
 }

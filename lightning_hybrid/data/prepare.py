@@ -13,6 +13,7 @@ import argparse
 import json
 import os
 import sys
+import time
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -21,10 +22,17 @@ from typing import Any, Callable, Optional, Sequence, Union
 import numpy as np
 
 from lightning_hybrid.data.packed import INDEX_FILE, TOKENS_FILE
+from lightning_hybrid.data.parallel_map import ordered_map
+from lightning_hybrid.data.sources import (
+    ARROW_SUFFIXES,
+    PARQUET_SUFFIXES,
+    TOKENIZER_PATTERNS,
+    expand_inputs,
+    iter_records,
+)
 
 __all__ = ["prepare_data", "prepare_main", "load_tokenizer", "Tokenizer", "iter_documents"]
 
-_TOKENIZER_PATTERNS = ("*.json", "*.txt", "*.model", "*.tiktoken", "*.jinja")
 _JSONL_SUFFIXES = (".jsonl", ".ndjson")
 
 
@@ -59,7 +67,7 @@ def load_tokenizer(path_or_repo: str, eos_token: Optional[str] = None, backend: 
     """
     from lightning_hybrid.hub import resolve_hf_path
 
-    folder = resolve_hf_path(path_or_repo, allow_patterns=_TOKENIZER_PATTERNS)
+    folder = resolve_hf_path(path_or_repo, allow_patterns=TOKENIZER_PATTERNS)
     if backend == "auto":
         try:
             import transformers  # noqa: F401
@@ -117,9 +125,15 @@ def iter_documents(files: Iterable[Union[str, Path]], text_key: str = "text", te
         raise ValueError(f"text_mode={text_mode!r} is not supported; use file or line")
     for name in files:
         path = Path(name)
-        if not path.is_file():
+        if not path.exists():
             raise FileNotFoundError(f"input {path} does not exist")
-        if path.suffix.lower() in _JSONL_SUFFIXES:
+        if path.suffix.lower() in PARQUET_SUFFIXES or path.suffix.lower() in ARROW_SUFFIXES or path.is_dir():
+            for location, record in iter_records([path], text_key):
+                text = record[text_key]
+                if not isinstance(text, str):
+                    raise ValueError(f"{location}: column {text_key!r} holds {type(text).__name__}, not text")
+                yield text
+        elif path.suffix.lower() in _JSONL_SUFFIXES:
             with path.open(encoding="utf-8") as lines:
                 for number, line in enumerate(lines, start=1):
                     if not line.strip():
@@ -153,10 +167,48 @@ def _batches(items: Iterable[str], size: int) -> Iterator[list[str]]:
         yield batch
 
 
+_text_tokenizer: Optional[Tokenizer] = None
+
+
+def _with_eos(ids: list[list[int]], eos_token_id: int) -> np.ndarray:
+    """The documents' ids concatenated, each followed by EOS.
+
+    Raises:
+        ValueError: a token id does not fit uint32.
+    """
+    flat = np.empty(sum(len(doc) + 1 for doc in ids), dtype=np.int64)
+    position = 0
+    for doc in ids:
+        flat[position:position + len(doc)] = doc
+        flat[position + len(doc)] = eos_token_id
+        position += len(doc) + 1
+    if flat.size and (flat.min() < 0 or flat.max() >= 2**32):
+        raise ValueError(f"token id {int(flat.max())} does not fit uint32")
+    return flat
+
+
+def _checked_inputs(inputs: Sequence[Union[str, Path]], workers: int) -> list[Path]:
+    if not isinstance(workers, int) or isinstance(workers, bool) or workers < 1:
+        raise ValueError(f"workers={workers!r} must be a positive integer")
+    return expand_inputs(inputs)
+
+
+def _init_text_worker(tokenizer: Union[str, Tokenizer], eos_token: Optional[str]) -> None:
+    global _text_tokenizer
+    _text_tokenizer = tokenizer if isinstance(tokenizer, Tokenizer) else load_tokenizer(tokenizer, eos_token)
+
+
+def _encode_with_worker_tokenizer(batch: list[str]) -> tuple[int, list[list[int]]]:
+    assert _text_tokenizer is not None
+    return len(batch), _text_tokenizer.encode_batch(batch)
+
+
 def prepare_data(tokenizer: Union[str, Tokenizer], inputs: Sequence[Union[str, Path]], output: Union[str, Path],
                  seq_len: int, text_key: str = "text", text_mode: str = "file", eos_token: Optional[str] = None,
-                 batch_size: int = 256, overwrite: bool = False) -> dict[str, Any]:
-    """Tokenize ``inputs`` into ``output/tokens.bin`` (uint32, EOS after every document) and ``output/index.json``.
+                 batch_size: int = 256, overwrite: bool = False, workers: int = 1) -> dict[str, Any]:
+    """Tokenize ``inputs`` (text, JSONL, Parquet with a ``text_key`` column, or ``datasets`` folders; globs are
+    expanded) with ``workers`` processes into ``output/tokens.bin`` (uint32, EOS after every document) and
+    ``output/index.json``; the bytes do not depend on ``workers``.
 
     Returns:
         The index: ``seq_len``, ``num_tokens``, ``num_sequences`` (``(num_tokens - 1) // seq_len``), ``dtype``,
@@ -168,10 +220,7 @@ def prepare_data(tokenizer: Union[str, Tokenizer], inputs: Sequence[Union[str, P
     """
     if not isinstance(seq_len, int) or seq_len < 1:
         raise ValueError(f"seq_len={seq_len!r} must be a positive integer")
-    missing = [str(p) for p in inputs if not Path(p).is_file()]
-    if missing:  # checked before the tokenizer, which may be a download
-        more = f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""
-        raise FileNotFoundError(f"input {missing[0]} does not exist{more}")
+    inputs = _checked_inputs(inputs, workers)  # checked before the tokenizer, which may be a download
     tok = tokenizer if isinstance(tokenizer, Tokenizer) else load_tokenizer(tokenizer, eos_token)
     out = Path(output)
     if (out / INDEX_FILE).exists() and not overwrite:
@@ -182,19 +231,15 @@ def prepare_data(tokenizer: Union[str, Tokenizer], inputs: Sequence[Union[str, P
     num_tokens = documents = 0
     try:
         with partial.open("wb") as sink:
-            for batch in _batches(iter_documents(inputs, text_key, text_mode), batch_size):
-                ids = tok.encode_batch(batch)
-                flat = np.empty(sum(len(doc) + 1 for doc in ids), dtype=np.int64)
-                position = 0
-                for doc in ids:
-                    flat[position:position + len(doc)] = doc
-                    flat[position + len(doc)] = tok.eos_token_id
-                    position += len(doc) + 1
-                if flat.size and (flat.min() < 0 or flat.max() >= 2**32):
-                    raise ValueError(f"token id {int(flat.max())} does not fit uint32")
+            batches = _batches(iter_documents(inputs, text_key, text_mode), batch_size)
+            # Workers load the tokenizer themselves; batches come back in order, so any number of workers writes
+            # the same bytes.
+            for count, ids in ordered_map(_encode_with_worker_tokenizer, batches, workers, _init_text_worker,
+                                          (tok.source if workers > 1 else tok, eos_token)):
+                flat = _with_eos(ids, tok.eos_token_id)
                 flat.astype(np.uint32).tofile(sink)
                 num_tokens += int(flat.size)
-                documents += len(batch)
+                documents += count
             sink.flush()
             os.fsync(sink.fileno())
     except BaseException:
@@ -218,25 +263,53 @@ def prepare_data(tokenizer: Union[str, Tokenizer], inputs: Sequence[Union[str, P
 def prepare_main(argv: Optional[Sequence[str]] = None) -> int:
     """``lightning-hybrid prepare-data --tokenizer PATH_OR_REPO --input FILES... --output DIR --seq-len N``."""
     parser = argparse.ArgumentParser(prog="lightning-hybrid prepare-data",
-                                     description="Tokenize text/JSONL into a packed uint32 token file.")
+                                     description="Tokenize text, JSONL, Parquet or chat conversations into packed "
+                                                 "token files.")
     parser.add_argument("--tokenizer", required=True, help="Hugging Face folder or repo id with tokenizer.json")
     parser.add_argument("--input", required=True, nargs="+",
-                        help="text files, or .jsonl files with one document a line")
-    parser.add_argument("--output", required=True, help="output folder (tokens.bin, index.json)")
+                        help="files or globs: text, .jsonl (one record a line), .parquet, .arrow or a datasets folder")
+    parser.add_argument("--output", required=True, help="output folder (tokens.bin, index.json, ...)")
     parser.add_argument("--seq-len", required=True, type=int, help="training sequence length")
-    parser.add_argument("--text-key", default="text", help="JSONL field holding the text")
+    parser.add_argument("--format", choices=["text", "chat"], default="text",
+                        help="text: documents + EOS in one stream; chat: conversations with the tokenizer's chat "
+                             "template, assistant-only labels, packed rows with document boundaries")
+    parser.add_argument("--text-key", default="text", help="JSONL field / Parquet column holding the text")
+    parser.add_argument("--messages-key", default="messages", help="field / column holding a conversation's messages")
+    parser.add_argument("--chat-template", default=None, metavar="FILE",
+                        help="Jinja chat template to use instead of the tokenizer's own")
+    parser.add_argument("--overlong", choices=["drop", "truncate"], default="drop",
+                        help="a conversation longer than --seq-len is dropped or truncated (counted either way)")
+    parser.add_argument("--strict", action="store_true",
+                        help="refuse a conversation without assistant turn instead of skipping it")
+    parser.add_argument("--pack-window", type=int, default=1000,
+                        help="conversations packed together (first-fit decreasing within each window)")
+    parser.add_argument("--workers", type=int, default=1, help="tokenizer processes (the output does not depend on it)")
     parser.add_argument("--text-mode", choices=["file", "line"], default="file",
                         help="a plain text file is one document (file) or one per non-empty line (line)")
     parser.add_argument("--eos-token", default=None, help="EOS token, if the tokenizer does not define one")
     parser.add_argument("--batch-size", type=int, default=256, help="documents tokenized per batch")
     parser.add_argument("--overwrite", action="store_true", help="replace data already in --output")
     args = parser.parse_args(list(argv) if argv is not None else None)
+    start = time.perf_counter()
     try:
-        index = prepare_data(args.tokenizer, args.input, args.output, args.seq_len, args.text_key, args.text_mode,
-                             args.eos_token, args.batch_size, args.overwrite)
+        if args.format == "chat":
+            from lightning_hybrid.data.prepare_chat import chat_summary, prepare_chat
+
+            index = prepare_chat(args.tokenizer, args.input, args.output, args.seq_len, args.messages_key,
+                                 args.chat_template, args.overlong, args.strict, args.workers, args.pack_window,
+                                 max(1, args.batch_size // 4), args.overwrite)
+            summary = chat_summary(index)
+            tokens = index["conversation_tokens"]
+        else:
+            index = prepare_data(args.tokenizer, args.input, args.output, args.seq_len, args.text_key,
+                                 args.text_mode, args.eos_token, args.batch_size, args.overwrite, args.workers)
+            summary = (f"{index['num_tokens']} tokens from {index['documents']} documents "
+                       f"({index['num_sequences']} sequences of {index['seq_len']})")
+            tokens = index["num_tokens"]
     except (FileNotFoundError, ValueError) as err:
         print(f"lightning-hybrid prepare-data: error: {err}", file=sys.stderr)
         return 1
-    print(f"wrote {index['num_tokens']} tokens from {index['documents']} documents "
-          f"({index['num_sequences']} sequences of {index['seq_len']}) to {args.output}")
+    seconds = time.perf_counter() - start
+    print(f"wrote {summary} to {args.output} in {seconds:.1f} s ({tokens / max(seconds, 1e-9):,.0f} tokens/s, "
+          f"{args.workers} worker{'s' if args.workers > 1 else ''})")
     return 0

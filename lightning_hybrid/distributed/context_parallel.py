@@ -29,7 +29,7 @@ from torch import Tensor, nn
 from torch.utils.checkpoint import checkpoint
 
 from lightning_hybrid.distributed.parallel_dims import ParallelDims
-from lightning_hybrid.models.attention import CausalAttention, expand_kv_heads
+from lightning_hybrid.models.attention import CausalAttention, document_mask, expand_kv_heads
 from lightning_hybrid.models.spec import ParallelSpec
 
 if TYPE_CHECKING:
@@ -139,8 +139,13 @@ def _block(q: Tensor, k: Tensor, v: Tensor, allowed: Tensor, scale: float) -> tu
     return out, lse
 
 
-def _ring_merge(q: Tensor, k_all: Tensor, v_all: Tensor, q_pos: Tensor, k_pos: Tensor, blocks: int) -> Tensor:
+def _ring_merge(q: Tensor, k_all: Tensor, v_all: Tensor, q_pos: Tensor, k_pos: Tensor, blocks: int,
+                doc_pos: Optional[Tensor] = None) -> Tensor:
     """Causal attention of the local queries over the gathered K/V, one source block at a time, merged online.
+
+    ``doc_pos`` (batch, local seq): the queries' positions in their documents (packed rows); a query then sees
+    only keys of its own document (:func:`~lightning_hybrid.models.attention.document_mask`: the rule needs the
+    global indices, which the head-tail chunks keep, and the query's own position id).
 
     K/V heads are repeated for grouped-query attention here, inside the recomputed region, so what is kept for
     backward is the gathered K/V at their own (fewer) heads.
@@ -151,7 +156,7 @@ def _ring_merge(q: Tensor, k_all: Tensor, v_all: Tensor, q_pos: Tensor, k_pos: T
     out: Optional[Tensor] = None
     lse: Optional[Tensor] = None
     for k, v, pos in zip(k_blocks, v_blocks, pos_blocks):
-        allowed = q_pos.unsqueeze(1) >= pos.unsqueeze(0)
+        allowed = q_pos.unsqueeze(1) >= pos.unsqueeze(0) if doc_pos is None else document_mask(doc_pos, q_pos, pos)
         if not bool(allowed.any()):  # a block entirely in this rank's future
             continue
         out_b, lse_b = _block(q, k, v, allowed, scale)
@@ -184,7 +189,7 @@ class RingAttention(CausalAttention):
         """Global positions of this rank's ``seq_len`` local tokens (its two chunks of the whole sequence)."""
         return sequence_positions(seq_len * self.cp, self.cp, self.cp_rank, device)
 
-    def __call__(self, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+    def __call__(self, q: Tensor, k: Tensor, v: Tensor, position_ids: Optional[Tensor] = None) -> Tensor:
         local = q.shape[2]
         k_all = _GatherSequence.apply(k, self.group, self.cp, self.cp_rank)
         v_all = _GatherSequence.apply(v, self.group, self.cp, self.cp_rank)
@@ -192,7 +197,7 @@ class RingAttention(CausalAttention):
         k_pos = torch.cat([sequence_positions(local * self.cp, self.cp, r) for r in range(self.cp)])
         # Recomputed in backward: the (local x global) scores are never kept.
         return checkpoint(_ring_merge, q, k_all, v_all, q_pos.to(q.device), k_pos.to(q.device), self.cp,
-                          use_reentrant=False)
+                          position_ids, use_reentrant=False)
 
 
 def context_parallel_error(spec: Optional[ParallelSpec], cp: int, module_name: str) -> str:

@@ -17,7 +17,7 @@ from lightning_hybrid.models.qwen2.config import Qwen2Config, flops_per_token, p
 from lightning_hybrid.models.qwen2.model import Qwen2, parameter_init
 from lightning_hybrid.models.spec import ParallelSpec
 
-__all__ = ["CausalLM", "split_batch", "LR_SCHEDULES"]
+__all__ = ["CausalLM", "split_batch", "position_ids_of", "LR_SCHEDULES"]
 
 LR_SCHEDULES = ("cosine", "linear", "constant")
 
@@ -34,6 +34,11 @@ def split_batch(batch: Any) -> tuple[Tensor, Tensor]:
         return batch[0], batch[1]
     raise ValueError(f"a batch must be a dict with 'input_ids' and 'labels' or a tuple (input_ids, labels); "
                      f"got {type(batch).__name__}")
+
+
+def position_ids_of(batch: Any) -> Optional[Tensor]:
+    """The batch's ``position_ids`` (documents packed in a row, restarting at 0 at each), or ``None``."""
+    return batch.get("position_ids") if isinstance(batch, dict) else None
 
 
 def lr_lambda(step: int, warmup_steps: int, max_steps: int, schedule: str, min_lr_ratio: float) -> float:
@@ -163,13 +168,14 @@ class CausalLM(pl.LightningModule):
             return
         init_parameters(model, seed, functools.partial(parameter_init, self.config))
 
-    def forward(self, input_ids: Tensor) -> Tensor:
+    def forward(self, input_ids: Tensor, position_ids: Optional[Tensor] = None) -> Tensor:
         assert self.model is not None, "call configure_model() first"
-        return self.model(input_ids)
+        return self.model(input_ids, position_ids)
 
     # ------------------------------------------------------------------ steps
 
-    def _global_loss(self, input_ids: Tensor, labels: Tensor, train: bool) -> tuple[Tensor, Tensor, Tensor]:
+    def _global_loss(self, input_ids: Tensor, labels: Tensor, train: bool,
+                     position_ids: Optional[Tensor] = None) -> tuple[Tensor, Tensor, Tensor]:
         """(loss to backpropagate, global mean loss for logging, global label-token count).
 
         Each rank backpropagates ``local_sum / global_count * dp``: the strategies average gradients over
@@ -179,8 +185,8 @@ class CausalLM(pl.LightningModule):
         """
         pipeline = self._declared_runner()
         if pipeline is not None:
-            return pipeline(input_ids, labels, train=train)
-        logits = self.model(input_ids)
+            return pipeline(input_ids, labels, train=train, position_ids=position_ids)
+        logits = self.model(input_ids, position_ids)
         loss_sum, count = self.model.loss_sum(logits, labels)
         strategy = self.trainer.strategy
         dp = strategy.distributed_sampler_kwargs["num_replicas"] if strategy.world_size > 1 else 1
@@ -192,14 +198,14 @@ class CausalLM(pl.LightningModule):
 
     def training_step(self, batch: Any, batch_idx: int) -> Tensor:
         input_ids, labels = split_batch(batch)
-        loss, value, _ = self._global_loss(input_ids, labels, train=True)
+        loss, value, _ = self._global_loss(input_ids, labels, train=True, position_ids=position_ids_of(batch))
         self.log("train_loss", value, prog_bar=True)
         self.log("train_ppl", torch.exp(value))
         return loss
 
     def validation_step(self, batch: Any, batch_idx: int) -> None:
         input_ids, labels = split_batch(batch)
-        _, value, count = self._global_loss(input_ids, labels, train=False)
+        _, value, count = self._global_loss(input_ids, labels, train=False, position_ids=position_ids_of(batch))
         # The value is already the global batch mean; weight it by its tokens for the epoch mean.
         self.val_loss.update(value, weight=count)
 
@@ -211,7 +217,7 @@ class CausalLM(pl.LightningModule):
 
     def test_step(self, batch: Any, batch_idx: int) -> None:
         input_ids, labels = split_batch(batch)
-        _, value, count = self._global_loss(input_ids, labels, train=False)
+        _, value, count = self._global_loss(input_ids, labels, train=False, position_ids=position_ids_of(batch))
         self.test_loss.update(value, weight=count)
 
     def on_test_epoch_end(self) -> None:
@@ -225,6 +231,7 @@ class CausalLM(pl.LightningModule):
 
         With a pipeline, the rank holding the last stage returns them and the other ranks ``None``.
         """
+        position_ids = position_ids_of(batch)
         if isinstance(batch, dict):
             input_ids = batch["input_ids"]
         elif isinstance(batch, (tuple, list)):
@@ -233,8 +240,8 @@ class CausalLM(pl.LightningModule):
             input_ids = batch
         pipeline = self._declared_runner()
         if pipeline is not None:
-            return pipeline.logits(input_ids)
-        return self.model(input_ids)
+            return pipeline.logits(input_ids, position_ids)
+        return self.model(input_ids, position_ids)
 
     def optimizer_zero_grad(self, epoch: int, batch_idx: int, optimizer: Any) -> None:
         # With a pipeline the schedule computes the gradients inside training_step, before Lightning would

@@ -131,12 +131,13 @@ class PipelineRunner:
             return forward_only_order(self.schedule, self.microbatches)
         return contextlib.nullcontext()
 
-    def logits(self, input_ids: Tensor) -> Optional[Tensor]:
+    def logits(self, input_ids: Tensor, position_ids: Optional[Tensor] = None) -> Optional[Tensor]:
         """Forward-only pass of a whole batch; the logits on the rank that holds the last stage, else ``None``."""
         self._check_batch(input_ids)
         args = (input_ids,) if self.is_first else ()
         # The schedule computes its loss on the last stage; give it labels that are all ignored.
         kwargs = {"target": torch.full_like(input_ids, IGNORE_INDEX)} if self.is_last else {}
+        kwargs.update(_stage_kwargs(position_ids))
         with torch.inference_mode(False), torch.no_grad(), self._forward_only():
             output = self.schedule.eval(*args, **kwargs)
         return output if self.is_last else None
@@ -144,8 +145,12 @@ class PipelineRunner:
     def _check_batch(self, input_ids: Tensor) -> None:
         check_batch_splits(input_ids.shape[0], self.microbatches)
 
-    def __call__(self, input_ids: Tensor, labels: Tensor, train: bool) -> tuple[Tensor, Tensor, Tensor]:
-        """(loss for Lightning, global mean loss, global label-token count), the same on every rank."""
+    def __call__(self, input_ids: Tensor, labels: Tensor, train: bool,
+                 position_ids: Optional[Tensor] = None) -> tuple[Tensor, Tensor, Tensor]:
+        """(loss for Lightning, global mean loss, global label-token count), the same on every rank.
+
+        ``position_ids`` (packed documents) reaches every stage: the schedule splits keyword inputs into the
+        micro-batches and hands them to each stage's forward, not only the first's."""
         import torch.distributed as dist
 
         self._check_batch(input_ids)
@@ -158,6 +163,7 @@ class PipelineRunner:
         losses: list[Tensor] = []
         args = (input_ids,) if self.is_first else ()
         kwargs = {"target": labels, "losses": losses} if self.is_last else {}
+        kwargs.update(_stage_kwargs(position_ids))
         if train:
             self.timer.start_step()
             self.schedule.step(*args, **kwargs)
@@ -173,6 +179,10 @@ class PipelineRunner:
         src = dist.get_global_rank(self.pp_group, self.last_stage_pp_rank)
         dist.broadcast(stats, src=src, group=self.pp_group)
         return stats[0], stats[0], stats[1]
+
+
+def _stage_kwargs(position_ids: Optional[Tensor]) -> dict[str, Tensor]:
+    return {} if position_ids is None else {"position_ids": position_ids}
 
 
 def build_pipeline(model: nn.Module, spec: ParallelSpec, options: ParallelOptions, dims: ParallelDims,

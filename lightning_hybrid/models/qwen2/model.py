@@ -59,10 +59,11 @@ def rotary_tables(seq_len: int, head_dim: int, theta: float, device: torch.devic
 
 
 def rotary_at(positions: Tensor, head_dim: int, theta: float, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
-    """cos and sin of shape (len(positions), head_dim) at the given (global) token positions."""
+    """cos and sin of shape (*positions.shape, head_dim) at the given token positions (1-D: global positions;
+    (batch, seq): the per-document ``position_ids`` of a packed batch)."""
     device = positions.device
     inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, device=device, dtype=torch.float32) / head_dim))
-    angles = torch.outer(positions.to(torch.float32), inv_freq)
+    angles = positions.to(torch.float32).unsqueeze(-1) * inv_freq
     angles = torch.cat([angles, angles], dim=-1)
     return angles.cos().to(dtype), angles.sin().to(dtype)
 
@@ -95,14 +96,20 @@ class Attention(nn.Module):
         # Causal attention over the local sequence and the tokens' global positions; a strategy may replace it.
         self.core = CausalAttention()
 
-    def forward(self, x: Tensor) -> Tensor:
+    def forward(self, x: Tensor, position_ids: Optional[Tensor] = None) -> Tensor:
         batch, seq, _ = x.shape
         q = self.q_proj(x).view(batch, seq, -1, self.head_dim).transpose(1, 2)
         k = self.k_proj(x).view(batch, seq, -1, self.head_dim).transpose(1, 2)
         v = self.v_proj(x).view(batch, seq, -1, self.head_dim).transpose(1, 2)
-        cos, sin = rotary_at(self.core.positions(seq, x.device), self.head_dim, self.rope_theta, q.dtype)
-        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
-        out = self.core(q, k, v)
+        if position_ids is None:
+            cos, sin = rotary_at(self.core.positions(seq, x.device), self.head_dim, self.rope_theta, q.dtype)
+            q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+            out = self.core(q, k, v)
+        else:  # packed documents: RoPE at each token's position in its document, attention within it
+            cos, sin = rotary_at(position_ids, self.head_dim, self.rope_theta, q.dtype)
+            cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
+            q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+            out = self.core(q, k, v, position_ids=position_ids)
         return self.o_proj(out.transpose(1, 2).reshape(batch, seq, -1))
 
 
@@ -129,8 +136,9 @@ class Qwen2Block(nn.Module):
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.mlp = MLP(config)
 
-    def forward(self, x: Tensor) -> Tensor:
-        x = x + self.self_attn(self.input_layernorm(x))
+    def forward(self, x: Tensor, position_ids: Optional[Tensor] = None) -> Tensor:
+        # position_ids goes by keyword: TP's input preparation of the attention module then leaves it alone.
+        x = x + self.self_attn(self.input_layernorm(x), position_ids=position_ids)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -151,10 +159,12 @@ class Qwen2(nn.Module):
         if config.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
 
-    def forward(self, input_ids: Tensor) -> Tensor:
+    def forward(self, input_ids: Tensor, position_ids: Optional[Tensor] = None) -> Tensor:
+        """Logits of ``input_ids`` (or the hidden states a pipeline stage passes on); ``position_ids`` (batch, seq)
+        restarting at 0 at each document makes every token attend only within its document."""
         h = self.embed_tokens(input_ids) if self.embed_tokens is not None else input_ids
         for block in self.layers.values():
-            h = block(h)
+            h = block(h) if position_ids is None else block(h, position_ids=position_ids)
         h = self.norm(h) if self.norm is not None else h
         return self.lm_head(h) if self.lm_head is not None else h
 
