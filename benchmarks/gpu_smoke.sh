@@ -1,7 +1,7 @@
 #!/bin/bash
 # GPU smoke test, for the day a GPU is available: one command, under 8 minutes on one H200.
 #
-#   bash benchmarks/gpu_smoke.sh                    # all four steps, results under gpu-smoke/
+#   bash benchmarks/gpu_smoke.sh                    # all steps, results under gpu-smoke/
 #   bash benchmarks/gpu_smoke.sh --only mfu,ckpt    # some of them
 #   bash benchmarks/gpu_smoke.sh --print            # the commands it would run (works without a GPU)
 #
@@ -11,18 +11,21 @@
 #   preflight  `lightning-hybrid preflight` on 1 GPU with the NVML health check (temperatures, ECC, clocks, NVLinks)
 #   ckpt       the tiny recipe with FaultTolerantCheckpoint: 20 steps saving at 10 and 20, then a second run that
 #              resumes from step 20 and trains to 30 (a save and a load of a sharded checkpoint)
+#   async-tp   benchmarks/runtime.py --async-tp on 2 GPUs: qwen2.5-0.5b at tp=2 with sequence parallel, compile and
+#              bf16-mixed, async_tp off then on: losses equal within bf16 tolerance, step-time ratio on/off printed
+#              (needs 2 GPUs; never run on hardware yet)
 # It prints one summary table (step, status, seconds, the step's figure) and writes each step's log to OUT/.
 #
 # Options: --out DIR (gpu-smoke), --gpu NAME of the hardware table for the preflight's expected figures (h200),
 # --only STEPS (comma-separated), --print (print the commands, run nothing), -h/--help.
 set -uo pipefail
 
-STEPS_ALL="mfu tiny-nccl preflight ckpt"
+STEPS_ALL="mfu tiny-nccl preflight ckpt async-tp"
 OUT=gpu-smoke
 GPU=h200
 ONLY=""
 PRINT=0
-usage() { sed -n '2,20p' "$0" | sed 's/^# \{0,1\}//'; }
+usage() { sed -n '2,22p' "$0" | sed 's/^# \{0,1\}//'; }
 while [ $# -gt 0 ]; do
     case "$1" in
         -h|--help) usage; exit 0 ;;
@@ -68,9 +71,11 @@ command_of() {  # the command line of one step, one word per line
         ckpt) printf '%s\n' bash -c "set -e; for steps in 20 30; do torchrun --nproc_per_node 1 \
 $(command -v $LH || echo $LH) fit --config $TINY ${ON_GPU[*]} ${CKPT[*]} --trainer.max_steps \$steps; done; \
 ls $OUT/ckpt" ;;
+        async-tp) printf '%s\n' torchrun --nproc_per_node 2 "$HERE/benchmarks/runtime.py" --async-tp --steps 10 \
+                      --warmup 3 ;;
     esac
 }
-LIMITS="mfu=180 tiny-nccl=90 preflight=120 ckpt=150"  # seconds; 540 s in all, typically well under 8 minutes
+LIMITS="mfu=180 tiny-nccl=90 preflight=120 ckpt=150 async-tp=300"  # seconds; the first four: 540 s
 
 if [ "$PRINT" = 1 ]; then
     for step in $STEPS; do
@@ -98,6 +103,7 @@ for step in $STEPS; do
         tiny-nccl) FIGURE[$step]=$(grep -oE 'throughput: [0-9,]+ tokens/s' "$OUT/$step.log" | tail -1) ;;
         preflight) FIGURE[$step]=$(grep -oE '"(ok|passed)": *(true|false)' "$OUT/$step.log" | head -1) ;;
         ckpt) FIGURE[$step]=$(grep -oE 'step-[0-9]+' "$OUT/$step.log" | sort -u | tr '\n' ' ') ;;
+        async-tp) FIGURE[$step]=$(grep -E '^async_tp (step time|loss agreement)' "$OUT/$step.log" | tr '\n' ' ') ;;
     esac
 done
 printf '\n| %-10s | %-14s | %7s | %s\n' step status seconds figure
