@@ -24,7 +24,7 @@ from lightning_hybrid.checkpoint import sharded
 from lightning_hybrid.data.sampler import batch_size_of, data_position, resumable_dataloader
 from lightning_hybrid.distributed.clip_grad import use_global_norm_clipping
 from lightning_hybrid.distributed.context_parallel import shard_batch
-from lightning_hybrid.distributed.data_parallel import StepWeightCasts, all_reducing, without_autocast
+from lightning_hybrid.distributed.data_parallel import all_reducing
 from lightning_hybrid.distributed.elastic import init_round_process_group
 from lightning_hybrid.distributed.heartbeat import HANG_TIMEOUT, attach_hang_detector, check_hang_timeout
 from lightning_hybrid.distributed.init_weights import initialize_declared, move_buffers
@@ -32,14 +32,14 @@ from lightning_hybrid.distributed.parallel_dims import ParallelDims, build_mesh,
 from lightning_hybrid.distributed.parallelize import (
     ParallelOptions,
     check_options,
-    compute_weights,
     parallelize,
     require_meta,
+    setup_runtime,
 )
 from lightning_hybrid.distributed.pipeline.runner import PipelineRunner, build_pipeline, report_bubble
 from lightning_hybrid.distributed.pipeline.schedules import PP_SCHEDULES
 from lightning_hybrid.distributed.step_guard import StepGuard
-from lightning_hybrid.distributed.tensor_parallel import async_tp_error, full_vocabulary, loss_parallel_context
+from lightning_hybrid.distributed.tensor_parallel import check_async_tp, full_vocabulary
 from lightning_hybrid.models.spec import ParallelSpec
 from lightning_hybrid.planner.auto_setup import auto_fields, check_strategy_request, resolve_auto
 
@@ -83,15 +83,7 @@ class HybridParallelStrategy(ModelParallelStrategy):
         data_parallel_size: Lightning's name of ``dp``; ``"auto"``: the number of nodes.
         tensor_parallel_size: Lightning's name of ``tp``; ``"auto"``: the devices per node.
         cp: context-parallel size (sequences split, ring attention); ``dp_shard``: HSDP's shard group (``"hsdp"``).
-        loss_parallel: with ``tp > 1``, the cross-entropy runs on the logits' vocabulary shards (no rank holds
-            full-vocabulary logits); ``predict`` still returns full logits.
-        bf16_compute_weights: under ``"bf16-mixed"``, forward and backward run on bf16 copies of the weights (made
-            by FSDP2 at each gather, else once per step) without autocast; master weights, gradient reduction and
-            AdamW stay fp32. The residual stream is bf16.
-        fsdp_reshard_after_forward: ``"auto"`` (free gathered blocks after forward without a pipeline, keep them
-            for the whole step with one: one all-gather per unit per step), ``True`` or ``False``.
-        async_tp: torch's micro-pipelined TP (collectives overlapped with the matmuls); needs ``compile=True``,
-            ``sequence_parallel=True`` and CUDA with NCCL.
+        loss_parallel, bf16_compute_weights, fsdp_reshard_after_forward, async_tp: see docs/performance.md.
 
     Raises:
         ValueError: an argument has an unknown value (on construction, on every rank), or the sizes do not
@@ -122,23 +114,14 @@ class HybridParallelStrategy(ModelParallelStrategy):
         hang_timeout: Optional[float] = HANG_TIMEOUT,
         data_parallel_size: Optional[Union[int, Literal["auto"]]] = None,
         tensor_parallel_size: Optional[Union[int, Literal["auto"]]] = None,
-        cp: int = 1, dp_shard: Optional[int] = None,
-        loss_parallel: bool = True,
-        bf16_compute_weights: bool = True,
-        fsdp_reshard_after_forward: Union[bool, Literal["auto"]] = "auto",
-        async_tp: bool = False,
+        cp: int = 1, dp_shard: Optional[int] = None, loss_parallel: bool = True, async_tp: bool = False,
+        bf16_compute_weights: bool = True, fsdp_reshard_after_forward: Union[bool, Literal["auto"]] = "auto",
     ) -> None:
         super().__init__(data_parallel_size="auto", tensor_parallel_size="auto",
                          save_distributed_checkpoint=save_distributed_checkpoint,
                          process_group_backend=process_group_backend, timeout=timeout)
-        self.options = ParallelOptions(
-            tp=tp, pp=pp, dp=dp, data_parallel=data_parallel, sequence_parallel=sequence_parallel,
-            pp_schedule=pp_schedule, microbatches=microbatches, virtual_stages=virtual_stages,
-            pp_split_points=pp_split_points, activation_checkpointing=activation_checkpointing,
-            selective_ac=selective_ac, compile=compile, reduce_dtype=reduce_dtype,
-            data_parallel_size=data_parallel_size, tensor_parallel_size=tensor_parallel_size, cp=cp, dp_shard=dp_shard,
-            loss_parallel=loss_parallel, bf16_compute_weights=bf16_compute_weights,
-            fsdp_reshard_after_forward=fsdp_reshard_after_forward, async_tp=async_tp)
+        self.options = ParallelOptions(**{name: value for name, value in locals().items()  # every layout argument
+                                          if name in ParallelOptions.__dataclass_fields__})
         self.preflight = bool(preflight)
         self.hang_timeout = check_hang_timeout(hang_timeout)
         self._dims: Optional[ParallelDims] = None
@@ -153,7 +136,7 @@ class HybridParallelStrategy(ModelParallelStrategy):
         self.bubble_report: Optional[dict[str, Any]] = None
         self.step_guard = StepGuard()
         self.auto_plan: Optional[Any] = None  # the planner's decision when an option is "auto"
-        self.weight_casts: Optional[StepWeightCasts] = None  # bf16 compute copies made once per step
+        self.weight_casts, self._loss_parallel = None, False  # bf16 copies made once per step, loss on shards
 
     @property
     def dims(self) -> ParallelDims:
@@ -184,11 +167,7 @@ class HybridParallelStrategy(ModelParallelStrategy):
         module = self.lightning_module
         spec_fn = getattr(module, "parallel_spec", None)
         self._spec = spec_fn() if callable(spec_fn) else None
-        if self.options.async_tp:  # before the process group: a CPU or gloo run says so on every rank
-            error = async_tp_error(self.options.compile, self.options.sequence_parallel, self.root_device.type,
-                                   self._get_process_group_backend())
-            if error:
-                raise ValueError(error)
+        check_async_tp(self.options, self.root_device.type, self._get_process_group_backend())
         if auto_fields(self.options):  # planned in setup_environment, once the process group exists
             return check_strategy_request(self)
         self._dims = check_options(self.options, self.num_nodes * self.num_processes,
@@ -247,18 +226,15 @@ class HybridParallelStrategy(ModelParallelStrategy):
         dims, args = self.dims, (self.options, self.dims, self.device_mesh)
         rest = (self.root_device, self._precision, self.precision_plugin.convert_module)
         seed = self.broadcast(self.lightning_module.init_seed())
-        weights = compute_weights(self.options, dims, self._precision)
-        self.weight_casts = StepWeightCasts() if weights == "step" else None
-        if weights is not None:
-            without_autocast(self.precision_plugin)
         if dims.pp > 1:
             pp_rank = dims.coordinates(self.global_rank)["pp"]
-            self.pipeline = build_pipeline(model, self._spec, *args, pp_rank, *rest, self.lightning_module.num_blocks(),
-                                           self.weight_casts)
+            self.pipeline = build_pipeline(model, self._spec, *args, pp_rank, *rest, self.lightning_module.num_blocks())
             self.lightning_module.model = self.pipeline.container
         else:
-            parallelize(model, self._spec, *args, *rest, self.weight_casts)
+            parallelize(model, self._spec, *args, *rest)
         initialize_declared(self.lightning_module, self.lightning_module.model, model, seed)
+        self.weight_casts, self._loss_parallel = setup_runtime(self.options, dims, self._precision,
+                                                               self.precision_plugin, self.lightning_module.model)
 
     @override
     def model_to_device(self) -> None:
@@ -272,8 +248,7 @@ class HybridParallelStrategy(ModelParallelStrategy):
     def backward(self, closure_loss: torch.Tensor, optimizer: Optional[Optimizer], *args: Any,
                  **kwargs: Any) -> torch.Tensor:
         if self.pipeline is None:
-            with loss_parallel_context(self._loss_parallel):  # the vocabulary-parallel loss's backward
-                return super().backward(closure_loss, optimizer, *args, **kwargs)
+            return super().backward(closure_loss, optimizer, *args, **kwargs)
         # The pipeline schedule already ran backward inside training_step; only fire the hooks.
         assert self.lightning_module is not None
         closure_loss = self.precision_plugin.pre_backward(closure_loss, self.lightning_module)
@@ -287,23 +262,15 @@ class HybridParallelStrategy(ModelParallelStrategy):
                                    self.dims.data_ranks, self.options.reduction_dtype(self._precision))
         with self.step_guard.guarding(optimizer):
             result = super().optimizer_step(optimizer, closure, model, **kwargs)
-        if self.weight_casts is not None:
-            self.weight_casts.clear()  # the weights changed: the next step casts again
         if self.pipeline is not None:
             # Gradients of the next step accumulate from zero inside the schedule (Lightning's own zero_grad
             # runs after training_step, which is too late for a pipeline; CausalLM skips it).
             optimizer.zero_grad(set_to_none=True)
         return result
 
-    @property
-    def _loss_parallel(self) -> bool:
-        return self._spec is not None and self.options.loss_parallel and self._dims is not None and self.dims.tp > 1
-
     @override
-    def predict_step(self, *args: Any, **kwargs: Any) -> Any:
-        logits = super().predict_step(*args, **kwargs)
-        # With loss parallel the head leaves each TP rank its vocabulary shard; a prediction is the full logits.
-        return full_vocabulary(logits, self.device_mesh["tp"]) if self._loss_parallel else logits
+    def predict_step(self, *args: Any, **kwargs: Any) -> Any:  # under loss parallel: full logits from the shards
+        return full_vocabulary(super().predict_step(*args, **kwargs), self.device_mesh, self._loss_parallel)
 
     def skip_next_optimizer_step(self) -> None:
         """Compute this step's gradients but apply nothing (weights and optimizer state stay); every rank must ask."""

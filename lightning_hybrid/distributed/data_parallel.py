@@ -93,18 +93,19 @@ def apply_fsdp(model: nn.Module, blocks: nn.ModuleDict, dp_mesh: "DeviceMesh", r
 class StepWeightCasts:
     """bf16 compute copies of the parameters that no FSDP2 unit casts (TP-only, replicated, pipeline with dp=1).
 
-    A module's parameters are cast at its first forward of a step; every later forward of the step (micro-batches,
-    recompute) and its backward reuse the copies, which are dropped at the optimizer step (:meth:`clear`). Gradients
-    flow through the cast into the fp32 parameters, so gradients, their reduction and AdamW stay fp32. Without
-    gradients (evaluation) the copies are made per forward and not kept (they would carry no autograd graph).
-    A module's own ``_parameters`` entries are swapped for the copies during its forward (FSDP2 does the same with
-    its gathered weights) and restored after it.
+    A module's parameters are cast at its first forward after they changed; every later forward (micro-batches,
+    recompute, accumulation steps) and backward reuse the copy until the optimizer updates the parameter in place
+    (its version counter moves; a skipped step keeps the copies). So a parameter is cast once per optimizer step.
+    Gradients flow through the cast into the fp32 parameters, so gradients, their reduction and AdamW stay fp32.
+    Without gradients (evaluation) the copies are made per forward and not kept (they would carry no autograd
+    graph). A module's own ``_parameters`` entries are swapped for the copies during its forward (FSDP2 does the
+    same with its gathered weights) and restored after it.
     """
 
     def __init__(self, dtype: torch.dtype = torch.bfloat16) -> None:
         self.dtype = dtype
         self.casts = 0  # copies made (a test reads it: one per parameter per step)
-        self._copies: dict[int, Tensor] = {}
+        self._copies: dict[int, tuple[int, Tensor]] = {}  # id(parameter) -> (its version when cast, the copy)
         self._swapped: dict[int, dict[str, Tensor]] = {}
 
     def install(self, module: nn.Module) -> None:
@@ -117,9 +118,10 @@ class StepWeightCasts:
     def _copy(self, param: Tensor) -> Tensor:
         if not torch.is_grad_enabled():
             return param.detach().to(self.dtype)
-        copy = self._copies.get(id(param))
-        if copy is None:
-            copy = self._copies[id(param)] = param.to(self.dtype)
+        version, copy = self._copies.get(id(param), (-1, None))
+        if copy is None or version != param._version:
+            copy = param.to(self.dtype)
+            self._copies[id(param)] = (param._version, copy)
             self.casts += 1
         return copy
 
@@ -135,10 +137,6 @@ class StepWeightCasts:
     def _swap_out(self, module: nn.Module, args: Any, output: Any) -> None:
         for name, param in self._swapped.pop(id(module), {}).items():
             module._parameters[name] = param
-
-    def clear(self) -> None:
-        """Drop this step's copies (the optimizer changed the parameters)."""
-        self._copies.clear()
 
 
 def without_autocast(precision_plugin: Any) -> None:

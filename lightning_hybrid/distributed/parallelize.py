@@ -28,6 +28,7 @@ from lightning_hybrid.distributed.data_parallel import (
     apply_fsdp,
     check_reshard_policy,
     reshard_after_forward,
+    without_autocast,
 )
 from lightning_hybrid.distributed.materialize import materialize
 from lightning_hybrid.distributed.parallel_dims import ParallelDims, data_mesh
@@ -41,6 +42,7 @@ from lightning_hybrid.distributed.pipeline.split import plan_stages
 from lightning_hybrid.distributed.tensor_parallel import (
     apply_tensor_parallel,
     async_tp_error,
+    backward_in_loss_parallel,
     enable_async_tp,
     vocab_parallel_loss,
 )
@@ -50,6 +52,7 @@ if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
 
 __all__ = ["ParallelOptions", "check_options", "parallelize", "require_meta", "compute_weights", "loss_function",
+           "setup_runtime",
            "DECLARED_PRECISIONS",
            "REDUCE_DTYPES", "choice", "positive_int", "lightning_size", "AUTO", "AUTO_FIELDS"]
 
@@ -311,6 +314,25 @@ def compute_weights(options: ParallelOptions, dims: ParallelDims, precision: str
     return "step"
 
 
+def setup_runtime(options: ParallelOptions, dims: ParallelDims, precision: str, precision_plugin: Any,
+                  model: nn.Module) -> tuple[Optional[StepWeightCasts], bool]:
+    """After :func:`parallelize`: ``(the step's bf16 weight copies or None, whether the loss runs on vocabulary
+    shards)``. Turns Lightning's autocast off when the weights are bf16 copies (:func:`compute_weights`), hooks
+    the copies into ``model`` (the parallelized model or this rank's stage parts) when no FSDP2 unit makes them,
+    and runs the precision plugin's backward inside torch's ``loss_parallel`` context under loss parallel (a
+    pipeline's backward runs inside its schedule step, which enters it itself)."""
+    weights = compute_weights(options, dims, precision)
+    if weights is not None:
+        without_autocast(precision_plugin)
+    casts = StepWeightCasts() if weights == "step" else None
+    if casts is not None:
+        casts.install(model)
+    loss_parallel = options.loss_parallel and dims.tp > 1
+    if loss_parallel:
+        backward_in_loss_parallel(precision_plugin)
+    return casts, loss_parallel
+
+
 def loss_function(loss_sum: Callable, options: ParallelOptions, dims: ParallelDims, mesh: "DeviceMesh") -> Callable:
     """The model's ``loss_sum``, on vocabulary shards over ``tp`` when loss parallel is on."""
     if options.loss_parallel and dims.tp > 1:
@@ -320,7 +342,7 @@ def loss_function(loss_sum: Callable, options: ParallelOptions, dims: ParallelDi
 
 def parallelize(module: nn.Module, spec: ParallelSpec, options: ParallelOptions, dims: ParallelDims,
                 mesh: "DeviceMesh", device: torch.device, precision: str,
-                convert_module: Callable[[nn.Module], Any], weight_casts: Optional[StepWeightCasts] = None) -> None:
+                convert_module: Callable[[nn.Module], Any]) -> None:
     """TP, then recompute/compile, then FSDP2, then materialization, of a meta-device model or pipeline stage.
 
     The parameters are allocated (uninitialized) on ``device``; the caller fills them
@@ -329,7 +351,6 @@ def parallelize(module: nn.Module, spec: ParallelSpec, options: ParallelOptions,
     Args:
         module: the model or one pipeline stage, on the meta device.
         convert_module: the precision plugin's ``convert_module`` (bf16 storage under ``bf16-true``, cheap on meta).
-        weight_casts: the step's bf16 copies of weights FSDP2 does not cast (:func:`compute_weights` ``"step"``).
 
     FSDP2 frees a block's gathered weights after forward per ``options.fsdp_reshard_after_forward``
     (:func:`~.data_parallel.reshard_after_forward`: ``"auto"`` keeps them gathered under a pipeline).
@@ -347,8 +368,6 @@ def parallelize(module: nn.Module, spec: ParallelSpec, options: ParallelOptions,
             module.loss_sum = loss_function(module.loss_sum, options, dims, mesh)
         if options.async_tp:
             enable_async_tp(mesh["tp"])
-    if weight_casts is not None:
-        weight_casts.install(module)
     blocks = getattr(module, spec.blocks, None)
     if blocks is not None and len(blocks) > 0:
         apply_activation_checkpointing(blocks, options.activation_checkpointing, options.selective_ac,

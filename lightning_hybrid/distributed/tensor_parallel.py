@@ -28,7 +28,7 @@ if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
 
 __all__ = ["apply_tensor_parallel", "block_plan", "outer_plan", "vocab_parallel_loss", "loss_parallel_context",
-           "full_vocabulary", "async_tp_error", "enable_async_tp"]
+           "full_vocabulary", "backward_in_loss_parallel", "async_tp_error", "check_async_tp", "enable_async_tp"]
 
 
 def block_plan(spec: ParallelSpec, sequence_parallel: bool) -> dict:
@@ -120,6 +120,18 @@ def loss_parallel_context(enabled: bool = True) -> Iterator[None]:
         yield
 
 
+def backward_in_loss_parallel(precision_plugin: Any) -> None:
+    """Run Lightning's ``precision_plugin.backward`` inside :func:`loss_parallel_context`, where the backward of the
+    vocabulary-parallel cross-entropy must run (torch's rule: its custom DTensor ops are only installed there)."""
+    backward = precision_plugin.backward
+
+    def in_loss_parallel(*args: Any, **kwargs: Any) -> Any:
+        with loss_parallel_context():
+            return backward(*args, **kwargs)
+
+    precision_plugin.backward = in_loss_parallel
+
+
 def vocab_parallel_loss(loss_sum: Callable[[Tensor, Tensor], tuple[Tensor, Tensor]],
                         tp_mesh: "DeviceMesh") -> Callable[[Tensor, Tensor], tuple[Tensor, Tensor]]:
     """The model's ``loss_sum(logits, labels)`` on this rank's vocabulary shard of the logits.
@@ -141,12 +153,14 @@ def vocab_parallel_loss(loss_sum: Callable[[Tensor, Tensor], tuple[Tensor, Tenso
     return loss_on_shards
 
 
-def full_vocabulary(logits: Any, tp_mesh: "DeviceMesh") -> Any:
-    """Full-vocabulary logits from this rank's shard (a collective over ``tp_mesh``; for prediction only)."""
+def full_vocabulary(logits: Any, mesh: "DeviceMesh", sharded: bool = True) -> Any:
+    """Full-vocabulary logits from this rank's shard (a collective over ``mesh["tp"]``; for prediction only);
+    ``logits`` as they are when not ``sharded`` or not a tensor (a pipeline rank without the last stage)."""
     from torch.distributed.tensor import DTensor, Shard
 
-    if not isinstance(logits, Tensor):
+    if not sharded or not isinstance(logits, Tensor):
         return logits
+    tp_mesh = mesh["tp"]
     if not isinstance(logits, DTensor):
         logits = DTensor.from_local(logits, tp_mesh, [Shard(logits.dim() - 1)], run_check=False)
     return logits.full_tensor()
@@ -172,6 +186,14 @@ def async_tp_error(compile: bool, sequence_parallel: bool, device_type: Optional
         return None
     return (f"async_tp=True (micro-pipelined tensor parallelism) needs {', '.join(missing)}; "
             f"set those or use async_tp=False")
+
+
+def check_async_tp(options: Any, device_type: str, backend: str) -> None:
+    """Raise the one-line :func:`async_tp_error` when ``options.async_tp`` cannot run on this device and backend
+    (called on every rank before the process group exists)."""
+    error = options.async_tp and async_tp_error(options.compile, options.sequence_parallel, device_type, backend)
+    if error:
+        raise ValueError(error)
 
 
 def enable_async_tp(tp_mesh: "DeviceMesh") -> None:

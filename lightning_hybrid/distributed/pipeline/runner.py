@@ -181,8 +181,7 @@ class PipelineRunner:
 
 def build_pipeline(model: nn.Module, spec: ParallelSpec, options: ParallelOptions, dims: ParallelDims,
                    mesh: "DeviceMesh", pp_rank: int, device: torch.device, precision: str,
-                   convert_module: Callable[[nn.Module], Any], num_blocks: int,
-                   weight_casts: Optional[Any] = None) -> PipelineRunner:
+                   convert_module: Callable[[nn.Module], Any], num_blocks: int) -> PipelineRunner:
     """Split a meta-device model into stages, parallelize and materialize this rank's, and build the runner.
 
     The stages' parameters are allocated but not initialized: fill ``runner.container``. With loss parallel the
@@ -200,7 +199,7 @@ def build_pipeline(model: nn.Module, spec: ParallelSpec, options: ParallelOption
     container, modules = build_stages(model, spec, plans, stage_ids)
     for module in modules:
         # FSDP2's resharding follows options.fsdp_reshard_after_forward ("auto": gathered for the whole step).
-        parallelize(module, spec, options, dims, mesh, device, precision, convert_module, weight_casts)
+        parallelize(module, spec, options, dims, mesh, device, precision, convert_module)
     pp_group = mesh["pp"].get_group()
     stages = [PipelineStage(m, stage_index=i, num_stages=num_stages, device=device, group=pp_group)
               for m, i in zip(modules, stage_ids)]
