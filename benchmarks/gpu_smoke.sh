@@ -1,7 +1,7 @@
 #!/bin/bash
 # GPU smoke test, for the day a GPU is available: one command, under 8 minutes on one H200.
 #
-#   bash benchmarks/gpu_smoke.sh                    # all five steps, results under gpu-smoke/
+#   bash benchmarks/gpu_smoke.sh                    # all steps, results under gpu-smoke/
 #   bash benchmarks/gpu_smoke.sh --only mfu,ckpt    # some of them
 #   bash benchmarks/gpu_smoke.sh --print            # the commands it would run (works without a GPU)
 #
@@ -16,18 +16,21 @@
 #              with GPUHealthMonitor polling every 10 steps for 20 steps (on_fault=warn)
 #   docmask    benchmarks/document_mask.py: FlexAttention with a document BlockMask (packed SFT rows) against
 #              per-document SDPA, output and gradients, and its time against plain causal attention
+#   async-tp   benchmarks/runtime.py --async-tp on 2 GPUs: qwen2.5-0.5b at tp=2 with sequence parallel, compile and
+#              bf16-mixed, async_tp off then on: losses equal within bf16 tolerance, step-time ratio on/off printed
+#              (needs 2 GPUs; never run on hardware yet)
 # It prints one summary table (step, status, seconds, the step's figure) and writes each step's log to OUT/.
 #
 # Options: --out DIR (gpu-smoke), --gpu NAME of the hardware table for the preflight's expected figures (h200),
 # --only STEPS (comma-separated), --print (print the commands, run nothing), -h/--help.
 set -uo pipefail
 
-STEPS_ALL="mfu tiny-nccl preflight ckpt gpu-health docmask"
+STEPS_ALL="mfu tiny-nccl preflight ckpt gpu-health docmask async-tp"
 OUT=gpu-smoke
 GPU=h200
 ONLY=""
 PRINT=0
-usage() { sed -n '2,20p' "$0" | sed 's/^# \{0,1\}//'; }
+usage() { sed -n '2,22p' "$0" | sed 's/^# \{0,1\}//'; }
 while [ $# -gt 0 ]; do
     case "$1" in
         -h|--help) usage; exit 0 ;;
@@ -78,9 +81,11 @@ ls $OUT/ckpt" ;;
         gpu-health) printf '%s\n' bash -c "set -e; python $HERE/benchmarks/gpu_health_poll.py; torchrun --nproc_per_node 1 \
 $(command -v $LH || echo $LH) fit --config $TINY ${ON_GPU[*]} ${MONITOR[*]} --trainer.max_steps 20" ;;
         docmask) printf '%s\n' python "$HERE/benchmarks/document_mask.py" --device cuda --seq-len 4096 ;;
+        async-tp) printf '%s\n' torchrun --nproc_per_node 2 "$HERE/benchmarks/runtime.py" --async-tp --steps 10 \
+                      --warmup 3 ;;
     esac
 }
-LIMITS="mfu=180 tiny-nccl=90 preflight=120 ckpt=150 gpu-health=90 docmask=90"  # seconds; 720 s in all
+LIMITS="mfu=180 tiny-nccl=90 preflight=120 ckpt=150 gpu-health=90 docmask=90 async-tp=300"  # seconds; 1020 s in all
 
 if [ "$PRINT" = 1 ]; then
     for step in $STEPS; do
@@ -111,6 +116,7 @@ for step in $STEPS; do
         gpu-health) FIGURE[$step]=$(grep -oE '"(read_seconds|xid_events)": [^,]+|GPU health monitor[^(]*' \
                         "$OUT/$step.log" | tr '\n' ' ') ;;
         docmask) FIGURE[$step]=$(grep -E '^\| cuda' "$OUT/$step.log" | tail -1) ;;
+        async-tp) FIGURE[$step]=$(grep -E '^async_tp (step time|loss agreement)' "$OUT/$step.log" | tr '\n' ' ') ;;
     esac
 done
 printf '\n| %-10s | %-14s | %7s | %s\n' step status seconds figure

@@ -29,10 +29,17 @@ from lightning_hybrid.distributed.elastic import init_round_process_group
 from lightning_hybrid.distributed.heartbeat import HANG_TIMEOUT, attach_hang_detector, check_hang_timeout
 from lightning_hybrid.distributed.init_weights import initialize_declared, move_buffers
 from lightning_hybrid.distributed.parallel_dims import ParallelDims, build_mesh, checkpoint_groups, lightning_mesh
-from lightning_hybrid.distributed.parallelize import ParallelOptions, check_options, parallelize, require_meta
+from lightning_hybrid.distributed.parallelize import (
+    ParallelOptions,
+    check_options,
+    parallelize,
+    require_meta,
+    setup_runtime,
+)
 from lightning_hybrid.distributed.pipeline.runner import PipelineRunner, build_pipeline, report_bubble
 from lightning_hybrid.distributed.pipeline.schedules import PP_SCHEDULES
 from lightning_hybrid.distributed.step_guard import StepGuard
+from lightning_hybrid.distributed.tensor_parallel import check_async_tp, full_vocabulary
 from lightning_hybrid.models.spec import ParallelSpec
 from lightning_hybrid.planner.auto_setup import auto_fields, check_strategy_request, resolve_auto
 
@@ -76,6 +83,7 @@ class HybridParallelStrategy(ModelParallelStrategy):
         data_parallel_size: Lightning's name of ``dp``; ``"auto"``: the number of nodes.
         tensor_parallel_size: Lightning's name of ``tp``; ``"auto"``: the devices per node.
         cp: context-parallel size (sequences split, ring attention); ``dp_shard``: HSDP's shard group (``"hsdp"``).
+        loss_parallel, bf16_compute_weights, fsdp_reshard_after_forward, async_tp: see docs/performance.md.
 
     Raises:
         ValueError: an argument has an unknown value (on construction, on every rank), or the sizes do not
@@ -106,17 +114,14 @@ class HybridParallelStrategy(ModelParallelStrategy):
         hang_timeout: Optional[float] = HANG_TIMEOUT,
         data_parallel_size: Optional[Union[int, Literal["auto"]]] = None,
         tensor_parallel_size: Optional[Union[int, Literal["auto"]]] = None,
-        cp: int = 1, dp_shard: Optional[int] = None,
+        cp: int = 1, dp_shard: Optional[int] = None, loss_parallel: bool = True, async_tp: bool = False,
+        bf16_compute_weights: bool = True, fsdp_reshard_after_forward: Union[bool, Literal["auto"]] = "auto",
     ) -> None:
         super().__init__(data_parallel_size="auto", tensor_parallel_size="auto",
                          save_distributed_checkpoint=save_distributed_checkpoint,
                          process_group_backend=process_group_backend, timeout=timeout)
-        self.options = ParallelOptions(
-            tp=tp, pp=pp, dp=dp, data_parallel=data_parallel, sequence_parallel=sequence_parallel,
-            pp_schedule=pp_schedule, microbatches=microbatches, virtual_stages=virtual_stages,
-            pp_split_points=pp_split_points, activation_checkpointing=activation_checkpointing,
-            selective_ac=selective_ac, compile=compile, reduce_dtype=reduce_dtype,
-            data_parallel_size=data_parallel_size, tensor_parallel_size=tensor_parallel_size, cp=cp, dp_shard=dp_shard)
+        self.options = ParallelOptions(**{name: value for name, value in locals().items()  # every layout argument
+                                          if name in ParallelOptions.__dataclass_fields__})
         self.preflight = bool(preflight)
         self.hang_timeout = check_hang_timeout(hang_timeout)
         self._dims: Optional[ParallelDims] = None
@@ -131,6 +136,7 @@ class HybridParallelStrategy(ModelParallelStrategy):
         self.bubble_report: Optional[dict[str, Any]] = None
         self.step_guard = StepGuard()
         self.auto_plan: Optional[Any] = None  # the planner's decision when an option is "auto"
+        self.weight_casts, self._loss_parallel = None, False  # bf16 copies made once per step, loss on shards
 
     @property
     def dims(self) -> ParallelDims:
@@ -161,6 +167,7 @@ class HybridParallelStrategy(ModelParallelStrategy):
         module = self.lightning_module
         spec_fn = getattr(module, "parallel_spec", None)
         self._spec = spec_fn() if callable(spec_fn) else None
+        check_async_tp(self.options, self.root_device.type, self._get_process_group_backend())
         if auto_fields(self.options):  # planned in setup_environment, once the process group exists
             return check_strategy_request(self)
         self._dims = check_options(self.options, self.num_nodes * self.num_processes,
@@ -226,6 +233,8 @@ class HybridParallelStrategy(ModelParallelStrategy):
         else:
             parallelize(model, self._spec, *args, *rest)
         initialize_declared(self.lightning_module, self.lightning_module.model, model, seed)
+        self.weight_casts, self._loss_parallel = setup_runtime(self.options, dims, self._precision,
+                                                               self.precision_plugin, self.lightning_module.model)
 
     @override
     def model_to_device(self) -> None:
@@ -258,6 +267,10 @@ class HybridParallelStrategy(ModelParallelStrategy):
             # runs after training_step, which is too late for a pipeline; CausalLM skips it).
             optimizer.zero_grad(set_to_none=True)
         return result
+
+    @override
+    def predict_step(self, *args: Any, **kwargs: Any) -> Any:  # under loss parallel: full logits from the shards
+        return full_vocabulary(super().predict_step(*args, **kwargs), self.device_mesh, self._loss_parallel)
 
     def skip_next_optimizer_step(self) -> None:
         """Compute this step's gradients but apply nothing (weights and optimizer state stay); every rank must ask."""

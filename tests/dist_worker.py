@@ -104,6 +104,7 @@ def run(config: dict, out: Path) -> None:
               "optimizer": optimizer_state(module),
               "switches": applied_switches(module.model, getattr(trainer.strategy, "pipeline", None)),
               "bubble": getattr(trainer.strategy, "bubble_report", None),
+              "runtime": runtime_switches(trainer.strategy),
               "auto": gather_objects(trainer.strategy.auto_plan.summary() if trainer.strategy.auto_plan else None)}
     if trainer.strategy.auto_plan is not None:
         record["auto_table"] = trainer.strategy.auto_plan.table()
@@ -151,6 +152,16 @@ def applied_switches(model: torch.nn.Module, pipeline=None) -> dict:
         for key in ("compiled", "mp_policy", "param_dtypes", "gathered"):
             merged[key].update(part[key])
     return merged
+
+
+def runtime_switches(strategy) -> dict:
+    """The runtime features a run used: bf16 weight copies made (per rank), autocast left on, loss parallel."""
+    import contextlib
+
+    casts = getattr(strategy, "weight_casts", None)
+    return {"weight_casts": gather_objects(casts.casts if casts is not None else None),
+            "autocast": strategy.precision_plugin.forward_context is not contextlib.nullcontext,
+            "loss_parallel": bool(getattr(strategy, "_loss_parallel", False))}
 
 
 def optimizer_state(module: L.LightningModule) -> dict[str, torch.Tensor]:

@@ -60,7 +60,8 @@ def _planner_collectives(job, coordinates: dict) -> dict:
     problem = Problem(config, Hardware(SYSTEM_GPUS["h100"], job.world_size, job.devices_per_node), job.seq_len,
                       job.batch_size * dims.dp, job.precision)
     return predicted_collectives(problem, layout, coordinates["pp"], m, gradient_clipping=bool(job.gradient_clip_val),
-                                 selective_ac=options.selective_ac)
+                                 selective_ac=options.selective_ac, loss_parallel=options.loss_parallel,
+                                 reshard_after_forward=options.fsdp_reshard_after_forward)
 
 
 @pytest.mark.distributed

@@ -21,13 +21,14 @@ def test_print_lists_the_steps_with_their_settings() -> None:
     result = _run("--print", "--gpu", "h100")
     assert result.returncode == 0, result.stderr
     lines = dict(line.split(": ", 1) for line in result.stdout.splitlines())
-    assert list(lines) == ["mfu", "tiny-nccl", "preflight", "ckpt", "gpu-health", "docmask"]
+    assert list(lines) == ["mfu", "tiny-nccl", "preflight", "ckpt", "gpu-health", "docmask", "async-tp"]
     assert "--preset qwen2.5-1.5b" in lines["mfu"] and "--seq-len 4096" in lines["mfu"] and "--dtype bf16" in lines[
         "mfu"]
     assert "--nproc_per_node 1" in lines["tiny-nccl"] and "process_group_backend nccl" in lines["tiny-nccl"]
     assert "preflight --gpu h100" in lines["preflight"] and "--no-health" not in lines["preflight"]
     assert "FaultTolerantCheckpoint" in lines["ckpt"] and "for steps in 20 30" in lines["ckpt"]
     assert "benchmarks/gpu_health_poll.py" in lines["gpu-health"] and "GPUHealthMonitor" in lines["gpu-health"]
+    assert "--nproc_per_node 2" in lines["async-tp"] and "runtime.py --async-tp" in lines["async-tp"]
 
 
 def test_only_selects_steps_and_refuses_unknown_ones() -> None:

@@ -20,11 +20,47 @@ if TYPE_CHECKING:
     from torch.distributed import ProcessGroup
     from torch.distributed.device_mesh import DeviceMesh
 
-__all__ = ["DATA_PARALLEL_MODES", "GRADIENT_BUCKET_BYTES", "apply_fsdp", "all_reduce_gradients", "all_reducing"]
+__all__ = ["DATA_PARALLEL_MODES", "GRADIENT_BUCKET_BYTES", "RESHARD_POLICIES", "apply_fsdp", "all_reduce_gradients",
+           "all_reducing", "check_reshard_policy", "reshard_after_forward", "StepWeightCasts", "without_autocast"]
 
 DATA_PARALLEL_MODES = ("fsdp", "replicate", "hsdp")
 # Replicated gradients are all-reduced in buckets of about this size (also the planner's DP message size).
 GRADIENT_BUCKET_BYTES = 25 * 1024 * 1024
+# fsdp_reshard_after_forward: "auto" frees a block's gathered weights after forward without a pipeline (ZeRO-3) and
+# keeps them gathered for the whole step under one (ZeRO-2-like: one all-gather per unit per step, not per micro-batch).
+RESHARD_POLICIES = ("auto", True, False)
+
+
+def check_reshard_policy(value: Any) -> Any:
+    """``value`` as one of :data:`RESHARD_POLICIES` (``"auto"`` in any case, ``True`` or ``False``).
+
+    Raises:
+        ValueError: naming the value and the accepted ones.
+    """
+    if isinstance(value, str) and value.lower() == "auto":
+        return "auto"
+    if isinstance(value, bool):
+        return value
+    raise ValueError(f"fsdp_reshard_after_forward={value!r} is not supported; use 'auto', True or False")
+
+
+def reshard_after_forward(policy: Any, pp: int, schedule: str, zero_bubble: bool) -> bool:
+    """FSDP2's ``reshard_after_forward`` for the blocks under ``policy`` (:func:`check_reshard_policy`'s answer).
+
+    Under a pipeline torch's schedules keep the units gathered from one backward to the next and reduce-scatter
+    once per step (``PipelineStage.backward_maybe_with_nosync``); resharding after each forward would re-gather
+    every block ``m + 1`` times per step. ``"auto"`` therefore keeps them gathered when ``pp > 1``.
+
+    Raises:
+        ValueError: ``True`` with a zero-bubble schedule, whose separate weight-gradient pass needs the gathered
+            weights (with resharding it trains silently wrong).
+    """
+    if policy == "auto":
+        return pp == 1
+    if policy and zero_bubble and pp > 1:
+        raise ValueError(f"fsdp_reshard_after_forward=True with pp_schedule={schedule!r}: a zero-bubble schedule "
+                         f"needs the gathered weights in its weight-gradient pass; use 'auto' or False")
+    return bool(policy)
 
 
 def apply_fsdp(model: nn.Module, blocks: nn.ModuleDict, dp_mesh: "DeviceMesh", reshard_after_forward: bool = True,
@@ -52,6 +88,63 @@ def apply_fsdp(model: nn.Module, blocks: nn.ModuleDict, dp_mesh: "DeviceMesh", r
         fully_shard(block, mesh=dp_mesh, reshard_after_forward=reshard_after_forward, mp_policy=policy)
     fully_shard(model, mesh=dp_mesh, reshard_after_forward=False, mp_policy=policy)
     model.register_forward_hook(_reshard_without_backward)  # runs after FSDP's own post-forward hook
+
+
+class StepWeightCasts:
+    """bf16 compute copies of the parameters that no FSDP2 unit casts (TP-only, replicated, pipeline with dp=1).
+
+    A module's parameters are cast at its first forward after they changed; every later forward (micro-batches,
+    recompute, accumulation steps) and backward reuse the copy until the optimizer updates the parameter in place
+    (its version counter moves; a skipped step keeps the copies). So a parameter is cast once per optimizer step.
+    Gradients flow through the cast into the fp32 parameters, so gradients, their reduction and AdamW stay fp32.
+    Without gradients (evaluation) the copies are made per forward and not kept (they would carry no autograd
+    graph). A module's own ``_parameters`` entries are swapped for the copies during its forward (FSDP2 does the
+    same with its gathered weights) and restored after it.
+    """
+
+    def __init__(self, dtype: torch.dtype = torch.bfloat16) -> None:
+        self.dtype = dtype
+        self.casts = 0  # copies made (a test reads it: one per parameter per step)
+        self._copies: dict[int, tuple[int, Tensor]] = {}  # id(parameter) -> (its version when cast, the copy)
+        self._swapped: dict[int, dict[str, Tensor]] = {}
+
+    def install(self, module: nn.Module) -> None:
+        """Hook every submodule of ``module`` that holds floating-point parameters of another dtype itself."""
+        for sub in module.modules():
+            if any(p.is_floating_point() and p.dtype != self.dtype for p in sub.parameters(recurse=False)):
+                sub.register_forward_pre_hook(self._swap_in)
+                sub.register_forward_hook(self._swap_out, always_call=True)
+
+    def _copy(self, param: Tensor) -> Tensor:
+        if not torch.is_grad_enabled():
+            return param.detach().to(self.dtype)
+        version, copy = self._copies.get(id(param), (-1, None))
+        if copy is None or version != param._version:
+            copy = param.to(self.dtype)
+            self._copies[id(param)] = (param._version, copy)
+            self.casts += 1
+        return copy
+
+    def _swap_in(self, module: nn.Module, args: Any) -> None:
+        swapped = {}
+        for name, param in module._parameters.items():
+            if param is not None and param.is_floating_point() and param.dtype != self.dtype:
+                swapped[name] = param
+        for name, param in swapped.items():
+            module._parameters[name] = self._copy(param)
+        self._swapped[id(module)] = swapped
+
+    def _swap_out(self, module: nn.Module, args: Any, output: Any) -> None:
+        for name, param in self._swapped.pop(id(module), {}).items():
+            module._parameters[name] = param
+
+
+def without_autocast(precision_plugin: Any) -> None:
+    """Run the forward of ``precision_plugin`` (Lightning's ``bf16-mixed``) without autocast: the weights already
+    are bf16 copies, so autocast would only re-cast fp32 activations at each op (it does not cache casts there)."""
+    import contextlib
+
+    precision_plugin.forward_context = contextlib.nullcontext
 
 
 def _reshard_without_backward(module: nn.Module, args: Any, output: Any) -> None:

@@ -22,18 +22,38 @@ from lightning_hybrid.distributed.activation_checkpoint import (
     resolve_selective,
 )
 from lightning_hybrid.distributed.context_parallel import context_parallel_error, install_context_parallel
-from lightning_hybrid.distributed.data_parallel import DATA_PARALLEL_MODES, apply_fsdp
+from lightning_hybrid.distributed.data_parallel import (
+    DATA_PARALLEL_MODES,
+    StepWeightCasts,
+    apply_fsdp,
+    check_reshard_policy,
+    reshard_after_forward,
+    without_autocast,
+)
 from lightning_hybrid.distributed.materialize import materialize
 from lightning_hybrid.distributed.parallel_dims import ParallelDims, data_mesh
-from lightning_hybrid.distributed.pipeline.schedules import PP_SCHEDULES, default_microbatches, validate_schedule
+from lightning_hybrid.distributed.pipeline.schedules import (
+    PP_SCHEDULES,
+    ZERO_BUBBLE,
+    default_microbatches,
+    validate_schedule,
+)
 from lightning_hybrid.distributed.pipeline.split import plan_stages
-from lightning_hybrid.distributed.tensor_parallel import apply_tensor_parallel
+from lightning_hybrid.distributed.tensor_parallel import (
+    apply_tensor_parallel,
+    async_tp_error,
+    backward_in_loss_parallel,
+    enable_async_tp,
+    vocab_parallel_loss,
+)
 from lightning_hybrid.models.spec import ParallelSpec
 
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
 
-__all__ = ["ParallelOptions", "check_options", "parallelize", "require_meta", "DECLARED_PRECISIONS",
+__all__ = ["ParallelOptions", "check_options", "parallelize", "require_meta", "compute_weights", "loss_function",
+           "setup_runtime",
+           "DECLARED_PRECISIONS",
            "REDUCE_DTYPES", "choice", "positive_int", "lightning_size", "AUTO", "AUTO_FIELDS"]
 
 DECLARED_PRECISIONS = ("32-true", "bf16-mixed", "bf16-true")
@@ -132,6 +152,12 @@ class ParallelOptions:
     # Context parallelism (sequence split across cp ranks) and HSDP's shard-group size.
     cp: int = 1
     dp_shard: Optional[int] = None
+    # Runtime features (docs/performance.md): vocabulary-parallel loss, bf16 weight copies under bf16-mixed, when
+    # FSDP2 frees gathered weights, torch's micro-pipelined TP.
+    loss_parallel: bool = True
+    bf16_compute_weights: bool = True
+    fsdp_reshard_after_forward: Union[bool, str] = AUTO
+    async_tp: bool = False
 
     def __post_init__(self) -> None:
         for name in AUTO_FIELDS:  # "auto" in any case; the planner resolves it at setup
@@ -159,6 +185,14 @@ class ParallelOptions:
         self.compile = bool(self.compile)
         if self.reduce_dtype is not None:
             self.reduce_dtype = choice("reduce_dtype", self.reduce_dtype, REDUCE_DTYPES)
+        for name in ("loss_parallel", "bf16_compute_weights", "async_tp"):
+            setattr(self, name, bool(getattr(self, name)))
+        self.fsdp_reshard_after_forward = check_reshard_policy(self.fsdp_reshard_after_forward)
+        if self.async_tp:  # what can be checked without the device (checked again at setup with it)
+            error = async_tp_error(self.compile, self.sequence_parallel, None,
+                                   tp=self.tp if isinstance(self.tp, int) else None)
+            if error:
+                raise ValueError(error)
 
     @property
     def num_microbatches(self) -> int:
@@ -249,6 +283,8 @@ def check_options(options: ParallelOptions, world_size: int, devices_per_node: O
         )
     if options.pp > 1:
         validate_schedule(options.pp_schedule, options.pp, options.virtual_stages, options.num_microbatches)
+        reshard_after_forward(options.fsdp_reshard_after_forward, options.pp, options.pp_schedule,
+                              options.pp_schedule in ZERO_BUBBLE)
         assert spec is not None and num_blocks is not None
         plan_stages(spec, num_blocks, options.pp * options.virtual_stages, options.pp_split_points)
     elif options.virtual_stages != 1:
@@ -263,9 +299,50 @@ def require_meta(model: nn.Module, module_name: str) -> None:
                          f"meta device so the strategy can shard it first")
 
 
+def compute_weights(options: ParallelOptions, dims: ParallelDims, precision: str) -> Optional[str]:
+    """Where the bf16 compute weights of ``bf16-mixed`` come from: ``"fsdp"`` (FSDP2 casts at each gather),
+    ``"step"`` (:class:`~.data_parallel.StepWeightCasts`, once per step), or ``None``: autocast casts per op (the
+    option is off, another precision, or a case the step casts do not cover: compiled blocks, whose hooks would
+    run inside the compiled region, and zero-bubble schedules, whose split weight-gradient pass was not tested
+    with them)."""
+    if precision != "bf16-mixed" or not options.bf16_compute_weights:
+        return None
+    if dims.data_ranks > 1 and options.data_parallel != "replicate":
+        return "fsdp"
+    if options.compile or (dims.pp > 1 and options.pp_schedule in ZERO_BUBBLE):
+        return None
+    return "step"
+
+
+def setup_runtime(options: ParallelOptions, dims: ParallelDims, precision: str, precision_plugin: Any,
+                  model: nn.Module) -> tuple[Optional[StepWeightCasts], bool]:
+    """After :func:`parallelize`: ``(the step's bf16 weight copies or None, whether the loss runs on vocabulary
+    shards)``. Turns Lightning's autocast off when the weights are bf16 copies (:func:`compute_weights`), hooks
+    the copies into ``model`` (the parallelized model or this rank's stage parts) when no FSDP2 unit makes them,
+    and runs the precision plugin's backward inside torch's ``loss_parallel`` context under loss parallel (a
+    pipeline's backward runs inside its schedule step, which enters it itself)."""
+    weights = compute_weights(options, dims, precision)
+    if weights is not None:
+        without_autocast(precision_plugin)
+    casts = StepWeightCasts() if weights == "step" else None
+    if casts is not None:
+        casts.install(model)
+    loss_parallel = options.loss_parallel and dims.tp > 1
+    if loss_parallel:
+        backward_in_loss_parallel(precision_plugin)
+    return casts, loss_parallel
+
+
+def loss_function(loss_sum: Callable, options: ParallelOptions, dims: ParallelDims, mesh: "DeviceMesh") -> Callable:
+    """The model's ``loss_sum``, on vocabulary shards over ``tp`` when loss parallel is on."""
+    if options.loss_parallel and dims.tp > 1:
+        return vocab_parallel_loss(loss_sum, mesh["tp"])
+    return loss_sum
+
+
 def parallelize(module: nn.Module, spec: ParallelSpec, options: ParallelOptions, dims: ParallelDims,
                 mesh: "DeviceMesh", device: torch.device, precision: str,
-                convert_module: Callable[[nn.Module], Any], reshard_after_forward: bool = True) -> None:
+                convert_module: Callable[[nn.Module], Any]) -> None:
     """TP, then recompute/compile, then FSDP2, then materialization, of a meta-device model or pipeline stage.
 
     The parameters are allocated (uninitialized) on ``device``; the caller fills them
@@ -274,14 +351,23 @@ def parallelize(module: nn.Module, spec: ParallelSpec, options: ParallelOptions,
     Args:
         module: the model or one pipeline stage, on the meta device.
         convert_module: the precision plugin's ``convert_module`` (bf16 storage under ``bf16-true``, cheap on meta).
-        reshard_after_forward: FSDP2's for the blocks; zero-bubble pipeline schedules need ``False``.
+
+    FSDP2 frees a block's gathered weights after forward per ``options.fsdp_reshard_after_forward``
+    (:func:`~.data_parallel.reshard_after_forward`: ``"auto"`` keeps them gathered under a pipeline).
+    With ``loss_parallel`` and ``tp > 1`` the head keeps vocabulary-sharded logits and ``module.loss_sum`` (when the
+    module holds the head) becomes :func:`~.tensor_parallel.vocab_parallel_loss`.
     """
     convert_module(module)
     if dims.cp > 1:
         cp_mesh = mesh["cp"]
         install_context_parallel(module, spec, cp_mesh.get_group(), dims.cp, cp_mesh.get_local_rank())
     if dims.tp > 1:
-        apply_tensor_parallel(module, spec, mesh["tp"], options.sequence_parallel)
+        loss_parallel = options.loss_parallel and getattr(module, spec.head, None) is not None
+        apply_tensor_parallel(module, spec, mesh["tp"], options.sequence_parallel, loss_parallel)
+        if loss_parallel and callable(getattr(module, "loss_sum", None)):
+            module.loss_sum = loss_function(module.loss_sum, options, dims, mesh)
+        if options.async_tp:
+            enable_async_tp(mesh["tp"])
     blocks = getattr(module, spec.blocks, None)
     if blocks is not None and len(blocks) > 0:
         apply_activation_checkpointing(blocks, options.activation_checkpointing, options.selective_ac,
@@ -289,8 +375,10 @@ def parallelize(module: nn.Module, spec: ParallelSpec, options: ParallelOptions,
         if options.compile:
             compile_blocks(blocks, parts=spec.block_norm_consumers if dims.tp > 1 else None)
     if dims.data_ranks > 1 and options.data_parallel != "replicate":
+        zero_bubble = dims.pp > 1 and options.pp_schedule in ZERO_BUBBLE
         apply_fsdp(module, getattr(module, spec.blocks), data_mesh(mesh, dims),
                    param_dtype=options.param_dtype(precision), reduce_dtype=options.reduction_dtype(precision),
-                   reshard_after_forward=reshard_after_forward)
+                   reshard_after_forward=reshard_after_forward(options.fsdp_reshard_after_forward, dims.pp,
+                                                               options.pp_schedule, zero_bubble))
     materialize(module, device)
 

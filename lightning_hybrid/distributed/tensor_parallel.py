@@ -4,13 +4,22 @@ Colwise layers split their output features over the ``tp`` ranks, rowwise layers
 features, so each attention/MLP pair costs one all-reduce forward and one backward (Megatron
 layout). With ``sequence_parallel`` the norms work on a sequence shard and the all-reduce becomes
 a reduce-scatter plus an all-gather, which saves activation memory at the same traffic.
+
+Loss parallel (``loss_parallel=True``): the head keeps its logits split over the vocabulary and the cross-entropy
+runs on those shards (torch's ``loss_parallel``: three all-reduces of one float per token instead of an all-gather
+of ``tokens x vocab`` logits), so no rank ever holds the full-vocabulary logits.
+
+Async TP (``async_tp=True``): torch's micro-pipelined TP, inductor's pass that splits each sequence-parallel
+all-gather/reduce-scatter and its matmul into chunks that overlap over symmetric memory (CUDA and NCCL only).
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+import contextlib
+from typing import TYPE_CHECKING, Any, Callable, Iterator, Optional
 
-from torch import nn
+import torch
+from torch import Tensor, nn
 
 from lightning_hybrid.distributed.parallel_dims import tied_embedding_error
 from lightning_hybrid.models.spec import ParallelSpec
@@ -18,7 +27,8 @@ from lightning_hybrid.models.spec import ParallelSpec
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
 
-__all__ = ["apply_tensor_parallel", "block_plan", "outer_plan"]
+__all__ = ["apply_tensor_parallel", "block_plan", "outer_plan", "vocab_parallel_loss", "loss_parallel_context",
+           "full_vocabulary", "backward_in_loss_parallel", "async_tp_error", "check_async_tp", "enable_async_tp"]
 
 
 def block_plan(spec: ParallelSpec, sequence_parallel: bool) -> dict:
@@ -40,8 +50,12 @@ def block_plan(spec: ParallelSpec, sequence_parallel: bool) -> dict:
     return plan
 
 
-def outer_plan(spec: ParallelSpec, sequence_parallel: bool, present: set[str]) -> dict:
-    """The plan of the embedding, final norm and head, restricted to the parts this stage holds."""
+def outer_plan(spec: ParallelSpec, sequence_parallel: bool, present: set[str], loss_parallel: bool = False) -> dict:
+    """The plan of the embedding, final norm and head, restricted to the parts this stage holds.
+
+    With ``loss_parallel`` the head's output stays this rank's vocabulary shard of the logits (a plain local
+    tensor, so pipeline stages pass it like any other; :func:`vocab_parallel_loss` wraps it again).
+    """
     from torch.distributed.tensor import Replicate, Shard
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, SequenceParallel
 
@@ -50,8 +64,9 @@ def outer_plan(spec: ParallelSpec, sequence_parallel: bool, present: set[str]) -
         # The embedding table is split over the vocabulary; each rank looks up its ids and the partial
         # results are summed (or reduce-scattered onto sequence shards).
         spec.embedding: RowwiseParallel(input_layouts=Replicate(), output_layouts=seq),
-        # The head is split over the vocabulary; logits are gathered so the loss sees the full vocabulary.
-        spec.head: ColwiseParallel(input_layouts=seq, output_layouts=Replicate()),
+        # The head is split over the vocabulary; logits are gathered so the loss sees the full vocabulary,
+        # unless the loss runs on the vocabulary shards.
+        spec.head: ColwiseParallel(input_layouts=seq, output_layouts=Shard(-1) if loss_parallel else Replicate()),
     }
     if sequence_parallel:
         plan[spec.norm] = SequenceParallel()
@@ -59,8 +74,11 @@ def outer_plan(spec: ParallelSpec, sequence_parallel: bool, present: set[str]) -
 
 
 def apply_tensor_parallel(model: nn.Module, spec: ParallelSpec, tp_mesh: "DeviceMesh",
-                          sequence_parallel: bool = False) -> None:
+                          sequence_parallel: bool = False, loss_parallel: bool = False) -> None:
     """Shard ``model`` (or a pipeline stage of it) over ``tp_mesh`` in place, block by block.
+
+    With ``loss_parallel`` the head outputs vocabulary-sharded logits; the loss must then go through
+    :func:`vocab_parallel_loss` (and its backward run inside :func:`loss_parallel_context`).
 
     Raises:
         ValueError: the model ties its embedding and head, which a vocabulary-sharded layout cannot share.
@@ -72,10 +90,125 @@ def apply_tensor_parallel(model: nn.Module, spec: ParallelSpec, tp_mesh: "Device
     if tied:
         raise ValueError(tied_embedding_error(tied, tp_mesh.size(), 1))
     present = {name for name in (spec.embedding, spec.norm, spec.head) if getattr(model, name, None) is not None}
-    plan = outer_plan(spec, sequence_parallel, present)
+    plan = outer_plan(spec, sequence_parallel, present, loss_parallel)
     if plan:
         parallelize_module(model, tp_mesh, plan)
     blocks = getattr(model, spec.blocks)
     per_block = block_plan(spec, sequence_parallel)
     for block in blocks.values():
         parallelize_module(block, tp_mesh, per_block)
+
+
+def _loss_ops_enabled() -> bool:
+    from torch.distributed.tensor import DTensor
+    from torch.distributed.tensor.parallel.loss import customized_loss_ops
+
+    handlers = DTensor._op_dispatcher._custom_op_handlers
+    return all(op in handlers for op in customized_loss_ops)
+
+
+@contextlib.contextmanager
+def loss_parallel_context(enabled: bool = True) -> Iterator[None]:
+    """torch's ``loss_parallel()`` context, re-entrant: a nested use (the loss inside a pipeline step) must not
+    switch the vocabulary-parallel cross-entropy off before the outer backward has run."""
+    if not enabled or _loss_ops_enabled():
+        yield
+        return
+    from torch.distributed.tensor.parallel import loss_parallel
+
+    with loss_parallel():
+        yield
+
+
+def backward_in_loss_parallel(precision_plugin: Any) -> None:
+    """Run Lightning's ``precision_plugin.backward`` inside :func:`loss_parallel_context`, where the backward of the
+    vocabulary-parallel cross-entropy must run (torch's rule: its custom DTensor ops are only installed there)."""
+    backward = precision_plugin.backward
+
+    def in_loss_parallel(*args: Any, **kwargs: Any) -> Any:
+        with loss_parallel_context():
+            return backward(*args, **kwargs)
+
+    precision_plugin.backward = in_loss_parallel
+
+
+def vocab_parallel_loss(loss_sum: Callable[[Tensor, Tensor], tuple[Tensor, Tensor]],
+                        tp_mesh: "DeviceMesh") -> Callable[[Tensor, Tensor], tuple[Tensor, Tensor]]:
+    """The model's ``loss_sum(logits, labels)`` on this rank's vocabulary shard of the logits.
+
+    The shard is wrapped as a DTensor split over the last dimension, so the model's own ``F.cross_entropy``
+    (under :func:`loss_parallel_context`) all-reduces the per-token maximum, sum of exponentials and target logit
+    over ``tp_mesh`` instead of gathering the logits; ``ignore_index`` and the sum reduction work as on one
+    process. The returned sum is a plain tensor, equal on every TP rank.
+    """
+    from torch.distributed.tensor import DTensor, Shard
+
+    def loss_on_shards(logits: Tensor, labels: Tensor) -> tuple[Tensor, Tensor]:
+        if not isinstance(logits, DTensor):
+            logits = DTensor.from_local(logits, tp_mesh, [Shard(logits.dim() - 1)], run_check=False)
+        with loss_parallel_context():
+            total, count = loss_sum(logits, labels)
+        return (total.to_local() if isinstance(total, DTensor) else total), count
+
+    return loss_on_shards
+
+
+def full_vocabulary(logits: Any, mesh: "DeviceMesh", sharded: bool = True) -> Any:
+    """Full-vocabulary logits from this rank's shard (a collective over ``mesh["tp"]``; for prediction only);
+    ``logits`` as they are when not ``sharded`` or not a tensor (a pipeline rank without the last stage)."""
+    from torch.distributed.tensor import DTensor, Shard
+
+    if not sharded or not isinstance(logits, Tensor):
+        return logits
+    tp_mesh = mesh["tp"]
+    if not isinstance(logits, DTensor):
+        logits = DTensor.from_local(logits, tp_mesh, [Shard(logits.dim() - 1)], run_check=False)
+    return logits.full_tensor()
+
+
+def async_tp_error(compile: bool, sequence_parallel: bool, device_type: Optional[str],
+                   backend: Optional[str] = None, tp: Optional[int] = None) -> Optional[str]:
+    """Why ``async_tp=True`` cannot run here (one line naming what is missing), or ``None``.
+
+    ``device_type``/``backend`` ``None``: not known yet (checked again at setup). The fake backend (dry run)
+    passes: it plays a CUDA job's ranks on CPU without running the overlapped kernels.
+    """
+    missing = [what for what, ok in (("compile=True", compile), ("sequence_parallel=True", sequence_parallel))
+               if not ok]
+    if tp is not None and tp < 2:
+        missing.append("tp>1")
+    if backend != "fake":
+        if device_type is not None and device_type != "cuda":
+            missing.append(f"a CUDA device (this run is on {device_type})")
+        if backend is not None and device_type is not None and backend != "nccl":
+            missing.append(f"the NCCL backend (this run uses {backend})")
+    if not missing:
+        return None
+    return (f"async_tp=True (micro-pipelined tensor parallelism) needs {', '.join(missing)}; "
+            f"set those or use async_tp=False")
+
+
+def check_async_tp(options: Any, device_type: str, backend: str) -> None:
+    """Raise the one-line :func:`async_tp_error` when ``options.async_tp`` cannot run on this device and backend
+    (called on every rank before the process group exists)."""
+    error = options.async_tp and async_tp_error(options.compile, options.sequence_parallel, device_type, backend)
+    if error:
+        raise ValueError(error)
+
+
+def enable_async_tp(tp_mesh: "DeviceMesh") -> None:
+    """Turn on inductor's micro-pipelined TP for the compiled blocks and symmetric memory for ``tp_mesh``'s group.
+
+    Call before the blocks are compiled (the pass runs when inductor compiles them, at the first step).
+    """
+    import warnings
+
+    import torch._inductor.config as inductor_config
+
+    inductor_config._micro_pipeline_tp = True
+    if tp_mesh.get_group().group_name and torch.cuda.is_available():
+        from torch.distributed._symmetric_memory import enable_symm_mem_for_group
+
+        with warnings.catch_warnings():  # a no-op kept for torch versions that still need it (deprecated in 2.13)
+            warnings.simplefilter("ignore", FutureWarning)
+            enable_symm_mem_for_group(tp_mesh.get_group().group_name)

@@ -249,8 +249,17 @@ class CollectiveCounter(TorchDispatchMode):
         return name
 
     def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: Any = None) -> Any:
+        from torch.distributed.tensor import DTensor
+
         kwargs = kwargs or {}
-        result = func(*args, **kwargs)
+        handler = DTensor._op_dispatcher._custom_op_handlers.get(func)
+        if handler is not None and any(isinstance(t, DTensor) for t in tree_leaves((args, kwargs))):
+            # A DTensor operator with a custom handler (loss parallel's cross-entropy) issues its collectives inside
+            # the call, where this mode is off: run the handler with the mode on, so they are counted too.
+            with self:
+                result = handler(func, args, kwargs)
+        else:
+            result = func(*args, **kwargs)
         try:
             kind = self._kinds[func]
         except KeyError:

@@ -84,7 +84,8 @@ def predict(job: DryRunJob, config: Any, dims: Any, options: Any, result: RankRe
     try:
         collectives = predicted_collectives(problem, layout, c["pp"], traced_microbatches,
                                             gradient_clipping=bool(job.gradient_clip_val),
-                                            selective_ac=options.selective_ac)
+                                            selective_ac=options.selective_ac, loss_parallel=options.loss_parallel,
+                                            reshard_after_forward=options.fsdp_reshard_after_forward)
     except ValueError:  # cp, HSDP and multi-stage schedules are not counted by the planner
         collectives = None
     return Prediction(figures, usable, collectives)

@@ -22,6 +22,7 @@ from typing import Any, Optional
 
 import torch
 
+from lightning_hybrid.distributed.parallelize import compute_weights
 from lightning_hybrid.dryrun.accounting import (
     CollectiveCounter,
     MemoryPeaks,
@@ -90,8 +91,10 @@ def stage_examples(stage: Any, job: DryRunJob, dims: Any, options: Any, precisio
     mb = job.batch_size // options.num_microbatches
     seq = job.seq_len // dims.tp if options.sequence_parallel and dims.tp > 1 else job.seq_len
     fsdp_dtype = options.param_dtype(precision) if dims.dp > 1 and options.data_parallel == "fsdp" else None
-    stored = torch.bfloat16 if precision == "bf16-true" else torch.float32
+    stored = torch.bfloat16 if precision == "bf16-true" or compute_weights(options, dims, precision) else torch.float32
     hidden_dtype = fsdp_dtype or stored
+    # with loss parallel the last stage outputs its vocabulary shard of the logits
+    vocab = config.vocab_size // dims.tp if options.loss_parallel and dims.tp > 1 else config.vocab_size
     logits_dtype = torch.float32 if precision == "32-true" else torch.bfloat16
 
     def meta(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
@@ -99,7 +102,7 @@ def stage_examples(stage: Any, job: DryRunJob, dims: Any, options: Any, precisio
 
     hidden = meta((mb, seq, config.hidden_size), hidden_dtype).requires_grad_(True)
     inputs = meta((mb, job.seq_len), torch.int64) if stage.is_first else hidden
-    logits = meta((mb, job.seq_len, config.vocab_size), logits_dtype).requires_grad_(True)
+    logits = meta((mb, job.seq_len, vocab), logits_dtype).requires_grad_(True)
     outputs = logits if stage.is_last else hidden
     return (inputs,), (outputs,)
 

@@ -23,6 +23,9 @@ runs the TP matmuls on the gathered weights' dtype, so autocast does not make th
   head: 1 all-gather of its input and 1 of the logits forward, 1 reduce-scatter backward, and its norm's gradient
   all-reduced. The norm all-reduces come once per FSDP gradient reduction: per micro-batch in the parameters'
   dtype without a pipeline, once per step in the reduction dtype (fp32) when a pipeline accumulates them.
+* Loss parallel (``loss_parallel=True``, the strategy's default): the head's logits stay vocabulary shards, no
+  all-gather of ``L``; the cross-entropy all-reduces 3 fp32 values per token forward (maximum, sum of exponentials,
+  target logit): 3 all-reduces of ``T x 4`` bytes.
 * Recompute: ``full`` (and every k-th block of ``selective_ac=k``) replays the block's forward up to its last saved
   tensor (torch's non-reentrant checkpoint stops there): the 2 all-reduces minus the last (+1), or under sequence
   parallel the 2 all-gathers and the first reduce-scatter (+2, +1). ``selective`` with ``op`` saves collective
@@ -34,8 +37,10 @@ runs the TP matmuls on the gathered weights' dtype, so autocast does not make th
   stays gathered, ``reshard_after_forward=False``), every unit reduce-scattered: ``1 + 2 n`` all-gathers and
   ``n + 1`` reduce-scatters for ``n`` blocks.
 * Under a 1F1B or GPipe pipeline torch keeps the units gathered after each backward and reduce-scatters once per
-  step; a block is resharded after each forward, so it is gathered by every forward that follows a forward (the
-  warm-up) and every backward that follows a forward: ``m + 1`` times for ``m`` micro-batches, on every rank.
+  step. With ``fsdp_reshard_after_forward="auto"`` (the strategy's default) or ``False`` a block stays gathered
+  after forward too: 1 all-gather per unit per step. With ``True`` a block is resharded after each forward, so it
+  is gathered by every forward that follows a forward (the warm-up) and every backward that follows a forward:
+  ``m + 1`` times for ``m`` micro-batches, on every rank.
   The root is gathered once.
 * Bytes: the unit's TP-local elements padded to ``dp`` equal dim-0 shards, times the gather dtype (bf16 under
   bf16 precisions) or times the reduction dtype (fp32).
@@ -89,10 +94,13 @@ def tp_all_reduce_equivalents(sequence_parallel: bool) -> tuple[float, float]:
     return (4.0, 1.5) if sequence_parallel else (2.0 + COLWISE_PER_BLOCK, 1.0)
 
 
-def fsdp_block_gathers(pp: int, microbatches: int) -> int:
+def fsdp_block_gathers(pp: int, microbatches: int, reshard_after_forward: Union[bool, str] = True) -> int:
     """All-gathers of one FSDP block unit per step: forward and backward of each micro-batch without a pipeline;
-    ``m + 1`` under a 1F1B or GPipe pipeline (the warm-up forwards and each backward that follows a forward)."""
-    return 2 * microbatches if pp == 1 else microbatches + 1
+    under a 1F1B or GPipe pipeline ``m + 1`` when blocks reshard after forward (the warm-up forwards and each
+    backward that follows a forward), 1 when they stay gathered (``"auto"`` or ``False``)."""
+    if pp == 1:
+        return 2 * microbatches if reshard_after_forward in (True, "auto") else microbatches
+    return microbatches + 1 if reshard_after_forward is True else 1
 
 
 def _stage_bytes(problem: "Problem", layout: "Layout") -> int:
@@ -137,20 +145,23 @@ def _replayed(recompute: str, selective_ac: Union[str, int], block: int) -> bool
 
 
 def _tensor_parallel(add: Add, problem: "Problem", layout: "Layout", pp_rank: int, m: int,
-                     selective_ac: Union[str, int]) -> None:
+                     selective_ac: Union[str, int], loss_parallel: bool = False) -> None:
     """TP collectives of ``m`` micro-batches (see the module docstring)."""
     c, b = problem.config, _stage_bytes(problem, layout)
     blocks, embedding, head = _rank_parts(problem, layout, pp_rank)
     act = layout.micro_batch_size * problem.seq_len * c.hidden_size * b
     logits = layout.micro_batch_size * problem.seq_len * c.vocab_size * b
     replayed = sum(_replayed(layout.recompute, selective_ac, i) for i in blocks)
+    if loss_parallel:  # the cross-entropy's 3 fp32 all-reduces per micro-batch instead of the logits' all-gather
+        add("tp", "all_reduce", 3 * m * head, layout.micro_batch_size * problem.seq_len * 4)
+        logits = 0
     if not layout.sequence_parallel:
         add("tp", "all_reduce", m * (len(blocks) * (2 + COLWISE_PER_BLOCK) + replayed + embedding + head), act)
-        add("tp", "all_gather", m * head, logits)
+        add("tp", "all_gather", m * head * bool(logits), logits)
         return
     add("tp", "all_gather", m * (4 * len(blocks) + 2 * replayed + embedding + head), act)
     add("tp", "reduce_scatter", m * (4 * len(blocks) + replayed + embedding + head), act)
-    add("tp", "all_gather", m * head, logits)
+    add("tp", "all_gather", m * head * bool(logits), logits)
     # the norm weights' partial gradients are reduced by FSDP's gradient reduction only (none without FSDP)
     norms = (2 * len(blocks) + head) if layout.data_parallel == "fsdp" and layout.dp > 1 else 0
     if layout.pp > 1:
@@ -164,7 +175,8 @@ def _unit_numel(shapes: dict[str, tuple[int, ...]], dp: int) -> int:
     return sum(dp * chunk_rows(s[0], dp, 0) * math.prod(s[1:]) for s in shapes.values())
 
 
-def _fsdp(add: Add, problem: "Problem", layout: "Layout", pp_rank: int, m: int) -> None:
+def _fsdp(add: Add, problem: "Problem", layout: "Layout", pp_rank: int, m: int,
+          reshard_after_forward: Union[bool, str] = True) -> None:
     """FSDP2's all-gathers and reduce-scatters (see the module docstring)."""
     c, dp = problem.config, layout.dp
     blocks, embedding, head = _rank_parts(problem, layout, pp_rank)
@@ -175,7 +187,8 @@ def _fsdp(add: Add, problem: "Problem", layout: "Layout", pp_rank: int, m: int) 
     root = _unit_numel(root_shapes, dp)
     roots = 1 if root else 0
     # without a pipeline every micro-batch is a step of its own; a pipeline gathers blocks m + 1 times, reduces once
-    gathers, (root_gathers, scatters) = fsdp_block_gathers(layout.pp, m), ((m, m) if layout.pp == 1 else (1, 1))
+    gathers = fsdp_block_gathers(layout.pp, m, reshard_after_forward)
+    root_gathers, scatters = (m, m) if layout.pp == 1 else (1, 1)
     add("dp", "all_gather", gathers * len(blocks), block * gather_bytes)
     add("dp", "all_gather", root_gathers * roots, root * gather_bytes)
     add("dp", "reduce_scatter", scatters * len(blocks), block * 4)
@@ -239,7 +252,8 @@ def _pipeline_and_step(add: Add, problem: "Problem", layout: "Layout", pp_rank: 
 
 def predicted_collectives(problem: "Problem", layout: "Layout", pp_rank: int,
                           traced_microbatches: Optional[int] = None, *, gradient_clipping: bool = True,
-                          selective_ac: Union[str, int] = "op") -> Table:
+                          selective_ac: Union[str, int] = "op", loss_parallel: bool = False,
+                          reshard_after_forward: Union[bool, str] = True) -> Table:
     """The collectives pipeline rank ``pp_rank`` of ``layout`` issues in one step (module docstring).
 
     Args:
@@ -250,6 +264,9 @@ def predicted_collectives(problem: "Problem", layout: "Layout", pp_rank: int,
             with a pipeline, 1 without: one Lightning step). The dry run traces fewer of a pipeline's.
         gradient_clipping: the Trainer clips by the global norm (``gradient_clip_val``).
         selective_ac: the strategy's ``selective_ac`` (``"op"``, ``"attention"`` or a block stride).
+        loss_parallel: the strategy's ``loss_parallel`` (its default is ``True``; ``False`` here keeps the tables
+            counted before it existed).
+        reshard_after_forward: the strategy's ``fsdp_reshard_after_forward`` (its default is ``"auto"``).
 
     Returns:
         ``{dim: {kind: [calls, bytes]}}`` with dims ``pp``, ``dp``, ``tp``, ``world``, sorted as the dry run's.
@@ -273,10 +290,10 @@ def predicted_collectives(problem: "Problem", layout: "Layout", pp_rank: int,
         entry[1] += calls * each
 
     if layout.tp > 1:
-        _tensor_parallel(add, problem, layout, pp_rank, m, selective_ac)
+        _tensor_parallel(add, problem, layout, pp_rank, m, selective_ac, loss_parallel)
     if layout.dp > 1:
         if layout.data_parallel == "fsdp":
-            _fsdp(add, problem, layout, pp_rank, m)
+            _fsdp(add, problem, layout, pp_rank, m, reshard_after_forward)
         else:
             _replicate(add, problem, layout, pp_rank)
     _pipeline_and_step(add, problem, layout, pp_rank, m, gradient_clipping)

@@ -8,16 +8,16 @@ schedule. :class:`PipelineRunner` runs one training or evaluation step of that s
 from __future__ import annotations
 
 import contextlib
+import functools
 from typing import TYPE_CHECKING, Any, Callable, Iterator, Optional
 
 import torch
 from torch import Tensor, nn
 
 from lightning_hybrid.distributed.parallel_dims import ParallelDims
-from lightning_hybrid.distributed.parallelize import ParallelOptions, parallelize
+from lightning_hybrid.distributed.parallelize import ParallelOptions, loss_function, parallelize
 from lightning_hybrid.distributed.pipeline.schedules import (
     V_SHAPED,
-    ZERO_BUBBLE,
     check_batch_splits,
     last_stage_pp_rank,
     schedule_class,
@@ -26,6 +26,7 @@ from lightning_hybrid.distributed.pipeline.schedules import (
 )
 from lightning_hybrid.distributed.pipeline.split import build_stages, plan_stages
 from lightning_hybrid.distributed.pipeline.timer import StageTimer, format_bubble_report, gather_bubble_report
+from lightning_hybrid.distributed.tensor_parallel import loss_parallel_context
 from lightning_hybrid.models.spec import IGNORE_INDEX, ParallelSpec
 
 if TYPE_CHECKING:
@@ -105,6 +106,8 @@ class PipelineRunner:
         self.is_last = any(s.is_last for s in stages)
         self.grad_scale = 1.0  # 1 / accumulate_grad_batches, set by the strategy
         self._normalizer = torch.ones(())
+        # entered around every schedule step (the vocabulary-parallel loss's backward runs inside it)
+        self.step_context: Callable[[], Any] = contextlib.nullcontext
         cls = schedule_class(schedule_name)
         first = stages[0] if issubclass(cls, PipelineScheduleSingle) else stages
         self.schedule = cls(first, n_microbatches=microbatches, loss_fn=self.loss_fn, scale_grads=False)
@@ -138,7 +141,7 @@ class PipelineRunner:
         # The schedule computes its loss on the last stage; give it labels that are all ignored.
         kwargs = {"target": torch.full_like(input_ids, IGNORE_INDEX)} if self.is_last else {}
         kwargs.update(_stage_kwargs(position_ids))
-        with torch.inference_mode(False), torch.no_grad(), self._forward_only():
+        with torch.inference_mode(False), torch.no_grad(), self._forward_only(), self.step_context():
             output = self.schedule.eval(*args, **kwargs)
         return output if self.is_last else None
 
@@ -166,12 +169,13 @@ class PipelineRunner:
         kwargs.update(_stage_kwargs(position_ids))
         if train:
             self.timer.start_step()
-            self.schedule.step(*args, **kwargs)
+            with self.step_context():
+                self.schedule.step(*args, **kwargs)
             self.timer.end_step()
         else:
             # Lightning evaluates under inference_mode; stage buffers created there could not be used by a
             # later training step, so run forward-only under no_grad instead.
-            with torch.inference_mode(False), torch.no_grad(), self._forward_only():
+            with torch.inference_mode(False), torch.no_grad(), self._forward_only(), self.step_context():
                 self.schedule.eval(*args, **kwargs)
         if self.is_last:
             local = torch.stack([loss.detach().float() for loss in losses]).sum() / self.grad_scale
@@ -190,7 +194,9 @@ def build_pipeline(model: nn.Module, spec: ParallelSpec, options: ParallelOption
                    convert_module: Callable[[nn.Module], Any], num_blocks: int) -> PipelineRunner:
     """Split a meta-device model into stages, parallelize and materialize this rank's, and build the runner.
 
-    The stages' parameters are allocated but not initialized: fill ``runner.container``.
+    The stages' parameters are allocated but not initialized: fill ``runner.container``. With loss parallel the
+    last stage's loss runs on vocabulary shards and the schedule's steps (its backward) inside torch's
+    ``loss_parallel`` context.
 
     Raises:
         ValueError: split points that do not exist, or a model that ties its embedding to its head.
@@ -202,19 +208,21 @@ def build_pipeline(model: nn.Module, spec: ParallelSpec, options: ParallelOption
     stage_ids = stage_ids_for_rank(pp_rank, dims.pp, options.virtual_stages, options.pp_schedule)
     container, modules = build_stages(model, spec, plans, stage_ids)
     for module in modules:
-        # Zero-bubble schedules run the weight-gradient pass separately and need the gathered weights.
-        parallelize(module, spec, options, dims, mesh, device, precision, convert_module,
-                    reshard_after_forward=options.pp_schedule not in ZERO_BUBBLE)
+        # FSDP2's resharding follows options.fsdp_reshard_after_forward ("auto": gathered for the whole step).
+        parallelize(module, spec, options, dims, mesh, device, precision, convert_module)
     pp_group = mesh["pp"].get_group()
     stages = [PipelineStage(m, stage_index=i, num_stages=num_stages, device=device, group=pp_group)
               for m, i in zip(modules, stage_ids)]
     timer = StageTimer(device)
     for stage in stages:
         timer.wrap(stage)
-    return PipelineRunner(stages, model.loss_sum, options.pp_schedule, options.num_microbatches, pp_group,
+    loss = loss_function(model.loss_sum, options, dims, mesh)
+    runner = PipelineRunner(stages, loss, options.pp_schedule, options.num_microbatches, pp_group,
                           mesh["dp_cp"].get_group() if dims.data_ranks > 1 else None, dims.data_ranks, dims.pp,
                           options.virtual_stages,
                           timer, container)
+    runner.step_context = functools.partial(loss_parallel_context, options.loss_parallel and dims.tp > 1)
+    return runner
 
 
 def report_bubble(pipeline: PipelineRunner, options: ParallelOptions, dims: ParallelDims,
