@@ -14,3 +14,11 @@ def reference_run():
     from helpers.equivalence import run_reference
 
     return run_reference()
+
+
+def pytest_collection_modifyitems(config, items):
+    """Every test that launches a process group (``distributed``) or runs a notebook is also ``slow``: ``pytest -m
+    "not slow"`` is then the inner loop of unit tests, and a new launch test cannot slow it down unmarked."""
+    for item in items:
+        if item.get_closest_marker("distributed") or item.get_closest_marker("notebook"):
+            item.add_marker(pytest.mark.slow)

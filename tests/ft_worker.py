@@ -63,6 +63,9 @@ class Faults(L.Callback):
         if int(env("STALL_AT", "0")) == step and trainer.global_rank == int(env("STALL_RANK", "1")):
             import time
 
+            # torchrun's SIGTERM (sent once the survivors failed) ends it at once; FaultTolerantCheckpoint's handler
+            # would only note it and torchrun wait out its 30 s grace period before SIGKILL. The test is the survivors'.
+            signal.signal(signal.SIGTERM, signal.SIG_DFL)
             time.sleep(120)  # a hung peer: alive, never joins the next collective
         kill_at = int(env("KILL_AT", "0"))
         first_only = env("KILL_ONLY_FIRST_ATTEMPT") == "1"

@@ -28,6 +28,7 @@ def real_and_dry(tmp_path_factory) -> dict:
 
 
 @pytest.mark.distributed
+@pytest.mark.timeout(600)
 @pytest.mark.parametrize("layout", list(LAYOUTS))
 def test_dry_run_equals_real_run_of_tiny_recipe(real_and_dry, layout) -> None:
     for rank in range(4):
@@ -65,6 +66,7 @@ def _planner_collectives(job, coordinates: dict) -> dict:
 
 
 @pytest.mark.distributed
+@pytest.mark.timeout(600)
 @pytest.mark.parametrize("layout", list(LAYOUTS))
 def test_planner_predicts_the_traced_collectives_of_the_tiny_recipe(real_and_dry, layout) -> None:
     # Exact: calls and bytes per mesh dimension and kind, for every rank, against the real run and the dry run.
@@ -162,6 +164,8 @@ def report_72b(request) -> tuple[str, dict, float]:
     return recipe, json.loads(result.stdout[result.stdout.index("{"):]), rss_gb
 
 
+@pytest.mark.slow
+@pytest.mark.timeout(1500)  # the fixture's first use traces a 72B rank per stage
 def test_72b_recipe_dry_runs_fit_and_match_the_planner(report_72b) -> None:
     recipe, report, rss_gb = report_72b
     assert report["fits"] and len(report["roles"]) == 2
@@ -173,6 +177,8 @@ def test_72b_recipe_dry_runs_fit_and_match_the_planner(report_72b) -> None:
     assert rss_gb < 4, f"peak RSS {rss_gb:.1f} GB: something allocated real memory for weights"
 
 
+@pytest.mark.slow
+@pytest.mark.timeout(1500)  # the fixture's first use traces a 72B rank per stage
 def test_72b_recipe_transient_bytes_are_within_the_planners_tolerance(report_72b) -> None:
     recipe, report, _ = report_72b
     for role in report["roles"]:
@@ -181,6 +187,8 @@ def test_72b_recipe_transient_bytes_are_within_the_planners_tolerance(report_72b
         assert abs(role["ratio"]["transient"] - 1) <= 0.2, (recipe, role["ranks"], role["ratio"])
 
 
+@pytest.mark.slow
+@pytest.mark.timeout(1500)  # the fixture's first use traces a 72B rank per stage
 def test_72b_recipe_dry_run_issues_the_collectives_of_its_mesh(report_72b) -> None:
     recipe, report, _ = report_72b
     # 1F1B's steady state: pp + 1 micro-batches reach a forward after the first backward (see traced_microbatches)
@@ -196,6 +204,8 @@ def test_72b_recipe_dry_run_issues_the_collectives_of_its_mesh(report_72b) -> No
         assert role["planner_collectives"] == collectives, (recipe, role["ranks"])
 
 
+@pytest.mark.slow
+@pytest.mark.timeout(900)
 def test_72b_recipe_without_model_parallelism_does_not_fit_an_h100(tmp_path) -> None:
     recipe = yaml.safe_load((ROOT / "recipes" / "qwen2.5-72b-pretrain.yaml").read_text())
     recipe["trainer"]["strategy"]["init_args"].update(tp=1, pp=1, dp=None, sequence_parallel=False)
@@ -222,6 +232,7 @@ def _tiny_tp2_job(layers: int, sequence_parallel: bool):
                              "sequence_parallel": sequence_parallel})
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(240)
 def test_planner_counts_exactly_what_selective_recompute_keeps_per_block_and_token() -> None:
     # The op policy keeps every matmul output: with tp > 1 also o_proj's and down_proj's before their all-reduce

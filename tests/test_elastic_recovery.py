@@ -260,6 +260,7 @@ def test_a_rank_frozen_just_after_one_last_beat_is_named_frozen_not_stuck():
     assert (hang.rank, hang.frozen) == (1, False)
 
 
+@pytest.mark.distributed
 @pytest.mark.timeout(120)
 def test_the_error_gloo_raises_for_a_dead_peer_is_seen_as_a_broken_process_group():
     # FaultTolerantCheckpoint.on_exception skips its save (and its 20 s barrier) on such an error: a save cannot

@@ -146,7 +146,9 @@ def runs(tmp_path_factory):
     return {path.stem: json.loads(path.read_text()) for path in out.glob("*.json")}
 
 
-distributed = pytest.mark.distributed
+def distributed(test):
+    """A test of the 4-process run: marked ``distributed``, with a timeout that covers the run's launch."""
+    return pytest.mark.timeout(600)(pytest.mark.distributed(test))
 
 
 def dp2_tp2_groups(rank: int) -> dict[str, list[int]]:

@@ -23,6 +23,7 @@ PREFLIGHT = {"matmul": [{"tflops": 400.0}], "links": [
                                                                {"bytes": 64 << 20, "seconds": 6.5e-3}]}]}
 
 
+@pytest.mark.distributed  # the benchmark trains on 2 gloo processes
 @pytest.mark.timeout(300)
 def test_reduced_accuracy_benchmark_prints_predicted_measured_error_and_rank(tmp_path):
     result = subprocess.run([sys.executable, str(REPO / "benchmarks" / "planner_accuracy.py"), "--reduced", "--json",

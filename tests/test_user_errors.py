@@ -63,6 +63,7 @@ CASES = [
 ]
 
 
+@pytest.mark.slow  # a CLI process each (imports torch and Lightning)
 @pytest.mark.parametrize("args,expected", [c[1:] for c in CASES], ids=[c[0] for c in CASES])
 def test_a_user_error_ends_with_one_line_naming_the_value(args, expected, tmp_path):
     args = [a.replace("{bad_yaml}", str(_bad_yaml(tmp_path))).replace("{tmp}", str(tmp_path)) for a in args]
@@ -81,6 +82,7 @@ def test_a_user_error_ends_with_one_line_naming_the_value(args, expected, tmp_pa
     assert output.count(expected) == 1, output[-3000:]  # printed once
 
 
+@pytest.mark.slow  # a CLI process each (imports torch and Lightning)
 def test_the_debug_switch_shows_the_traceback(tmp_path):
     env = {**os.environ, "OMP_NUM_THREADS": "1", "LIGHTNING_HYBRID_DEBUG": "1"}
     result = subprocess.run([sys.executable, "-m", "lightning_hybrid.cli", *FIT, "--model.model", "tiny-xx"],
@@ -97,6 +99,7 @@ def test_only_global_rank_zero_prints_a_user_error(monkeypatch, capsys):
         assert ("no/such.yaml: no such file" in capsys.readouterr().err) is printed
 
 
+@pytest.mark.slow  # a CLI process each (imports torch and Lightning)
 def test_a_checkpoint_of_another_model_in_the_folder_is_refused_in_one_line_naming_the_ways_out(tmp_path):
     # A committed checkpoint written by a wider model (intermediate_size 352 vs the recipe's 176): the CLI reads its
     # manifest before any worker starts and refuses it in one line naming why and what to do (the strategy's load

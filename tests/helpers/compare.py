@@ -8,7 +8,11 @@ from helpers.equivalence import STEPS
 
 __all__ = ["TOL", "same_tensors", "local_tensor", "max_relative_error", "assert_trains_like"]
 
-TOL = 1e-5  # fp32 rounding from another reduction order; anything else is a bug
+# fp32 rounding from another reduction order; anything else is a bug. Margin: the one process against itself with
+# its initial weights rounded once differently (each element times 1 +- 2**-24, 20 seeds) ends 1.1e-7 to 1.9e-7
+# apart in the weights and <= 2.6e-7 in the losses (helpers.equivalence's problem, lr 1e-3): a mesh whose every
+# reduction rounds differently (independent roundings add in quadrature) stays below 1e-5 up to thousands of them.
+TOL = 1e-5
 
 
 def same_tensors(a: dict, b: dict) -> bool:
@@ -45,8 +49,10 @@ def assert_trains_like(record: dict, reference: dict, same_initial_weights: bool
     err = max_relative_error(record, reference)
     assert err["loss"] < TOL, (err, record["losses"], reference["losses"])
     assert err["weights"] < TOL, err
-    moved = max(float((reference["final"][k] - v).norm() / v.norm()) for k, v in reference["initial"].items())
-    assert moved > 1e-3
+    # the whole weight vector (per tensor, zero-initialized biases would divide by 0 and pass as inf): 3.5% at lr 1e-3
+    initial = torch.cat([v.flatten() for v in reference["initial"].values()])
+    final = torch.cat([reference["final"][k].flatten() for k in reference["initial"]])
+    assert float((final - initial).norm() / initial.norm()) > 1e-3
     if same_initial_weights:
         for key, value in reference["initial"].items():
             assert torch.equal(record["initial"][key], value), key
