@@ -163,7 +163,7 @@ def main() -> None:
     inject_write_failures()
     inject_dcp_like_failures()
     slow_down_background_writer()
-    out, ckpt = Path(env("OUT")), Path(env("CKPT"))
+    out, ckpt = Path(env("OUT")), env("CKPT")  # a folder or an fsspec URL (s3://...)
     tp, pp = int(env("TP", "2")), int(env("PP", "2"))
     world = int(env("WORLD_SIZE"))
     dp = world // (tp * pp)

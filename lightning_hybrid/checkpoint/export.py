@@ -20,6 +20,7 @@ import torch
 from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.metadata import Metadata
 
+from lightning_hybrid.checkpoint.storage import ObjectPath, checkpoint_path
 from lightning_hybrid.models.qwen2.config import Qwen2Config
 from lightning_hybrid.models.qwen2.hf import TOKENIZER_FILES, expected_hf_tensors, hf_to_ours
 
@@ -106,15 +107,31 @@ def _import_folder(init_from_hf: Optional[str]) -> Optional[Path]:
         return None
 
 
-class _MetadataOnceReader(FileSystemReader):
-    """A DCP reader that parses the checkpoint's ``.metadata`` once, not once per tensor loaded."""
+class _MetadataOnce:
+    """Parses the checkpoint's ``.metadata`` once, not once per tensor loaded (mixed into a DCP reader)."""
 
     _cached: Optional[Metadata] = None
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
         if self._cached is None:
-            self._cached = super().read_metadata(*args, **kwargs)
+            self._cached = super().read_metadata(*args, **kwargs)  # type: ignore[misc]
         return self._cached
+
+
+class _MetadataOnceReader(_MetadataOnce, FileSystemReader):
+    """A DCP reader of a local folder that parses ``.metadata`` once."""
+
+
+def _reader(checkpoint: Any) -> Any:
+    """The DCP reader of ``checkpoint``: local files, or DCP's fsspec reader for an object store (its options)."""
+    if not isinstance(checkpoint, ObjectPath):
+        return _MetadataOnceReader(str(checkpoint))
+    from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader
+
+    class _MetadataOnceFsspecReader(_MetadataOnce, FsspecReader):
+        pass
+
+    return _MetadataOnceFsspecReader(checkpoint.url, **checkpoint.options)
 
 
 def _plan_shards(names: list[str], sizes: dict[str, int], limit: int) -> list[list[str]]:
@@ -145,7 +162,8 @@ def export_hf(checkpoint_dir: Union[str, Path], out_dir: Union[str, Path], dtype
     the folder the weights were imported from is still available, its tokenizer files.
 
     Args:
-        checkpoint_dir: a committed checkpoint folder (DCP files and ``meta.json``).
+        checkpoint_dir: a committed checkpoint folder (DCP files and ``meta.json``), local or an fsspec URL
+            (``s3://bucket/prefix/step-000400``; credentials and endpoint from the environment).
         out_dir: where to write; created, and it must be empty unless ``overwrite``.
         dtype: ``"bf16"``, ``"fp16"`` or ``"fp32"``.
         max_shard_size: ``"5GB"``, ``"500MB"``, ``"2GiB"`` or bytes.
@@ -163,10 +181,10 @@ def export_hf(checkpoint_dir: Union[str, Path], out_dir: Union[str, Path], dtype
         raise ValueError(f"dtype={dtype!r} is not supported; use one of {', '.join(EXPORT_DTYPES)}")
     out_dtype = EXPORT_DTYPES[dtype]
     limit = parse_size(max_shard_size)
-    checkpoint, out = Path(checkpoint_dir), Path(out_dir)
+    checkpoint, out = checkpoint_path(checkpoint_dir), Path(out_dir)
     config, hparams = _read_meta(checkpoint)
     _prepare_out_dir(out, overwrite)
-    reader = _MetadataOnceReader(str(checkpoint))
+    reader = _reader(checkpoint)
     stored, expected = _check_stored_tensors(reader, checkpoint, config)
     _write_weights(reader, stored, expected, out, out_dtype, limit)
     _write_configs(out, config, out_dtype, _import_folder(hparams.get("init_from_hf")))
