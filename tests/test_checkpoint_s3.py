@@ -155,3 +155,87 @@ def test_a_tp2_pp2_checkpoint_in_a_bucket_reshards_on_load_to_dp4(baseline, tmp_
     _run(tmp_path, f"s3://{BUCKET}/reshard", TP=1, PP=1, KEEP=2)  # max_steps reached: load, then stop
     assert _final(tmp_path)["resumed_from"].endswith("step-000008")
     assert same_tensors(_final(tmp_path)["final"], _final(baseline)["final"])
+
+
+def _tensors(url: str) -> dict[str, torch.Tensor]:
+    """Every tensor of a DCP checkpoint (model and optimizer states), read with no process group."""
+    import torch.distributed.checkpoint as dcp
+
+    from lightning_hybrid.checkpoint.storage import checkpoint_path, storage_reader
+
+    reader = storage_reader(checkpoint_path(url))
+    meta = reader.read_metadata()
+    state = {k: torch.empty(m.size, dtype=m.properties.dtype) for k, m in meta.state_dict_metadata.items()
+             if hasattr(m, "size")}
+    dcp.load(state, storage_reader=reader, no_dist=True)
+    return state
+
+
+@pytest.mark.slow
+def test_the_process_writer_gives_checkpoints_identical_to_the_thread_writer(baseline, tmp_path):
+    _run(tmp_path, f"s3://{BUCKET}/process", ASYNC_WRITER="process", KEEP=2)
+    assert _steps("process") == ["step-000008", "step-000006"]
+    for step in ("step-000006", "step-000008"):
+        ours, theirs = _tensors(f"s3://{BUCKET}/process/{step}"), _tensors(f"s3://{BUCKET}/base/{step}")
+        assert len(ours) > 10 and set(ours) == set(theirs)
+        assert all(torch.equal(ours[k], theirs[k]) for k in ours), step
+    assert same_tensors(_final(tmp_path)["final"], _final(baseline)["final"])
+
+
+@pytest.mark.slow
+def test_sigkill_during_a_background_process_write_commits_nothing(s3_endpoint, tmp_path):
+    result = _run(tmp_path, f"s3://{BUCKET}/process_killed", check=False, ASYNC_WRITER="process", KILL_AT=4,
+                  KILL_RANK=0, KEEP=2)
+    assert result.returncode != 0
+    time.sleep(2)  # an orphaned writer daemon may still be uploading: it never writes a manifest
+    assert _steps("process_killed") == ["step-000002"]
+    assert "step-000004/meta.json" not in _objects("process_killed")
+
+
+def _one_line_error(code: str, env: dict) -> str:
+    """Run ``code`` in a fresh interpreter (its own fsspec instances and environment); the exception's one line."""
+    result = subprocess.run([sys.executable, "-c", code], env={**env, "PYTHONPATH": os.environ.get("PYTHONPATH", "")},
+                            capture_output=True, text=True, timeout=120)
+    assert result.returncode != 0, result.stdout
+    return result.stderr.strip().splitlines()[-1]
+
+
+CONSTRUCT = "from lightning_hybrid import FaultTolerantCheckpoint; FaultTolerantCheckpoint({url!r}, every_n_steps=1)"
+
+
+@pytest.mark.timeout(300)
+def test_bad_checkpoint_urls_get_one_line_each(s3_endpoint):
+    from lightning_hybrid import FaultTolerantCheckpoint
+
+    with pytest.raises(ValueError, match=r"unknown URL scheme foo://; use a local folder or an fsspec URL") as err:
+        FaultTolerantCheckpoint("foo://bucket/run", every_n_steps=1)
+    assert "\n" not in str(err.value)
+    with pytest.raises(ValueError, match=r"bucket 'no-such-bucket' does not exist at http://127.0.0.1:\d+") as err:
+        FaultTolerantCheckpoint("s3://no-such-bucket/run", every_n_steps=1)
+    assert "\n" not in str(err.value)
+    with pytest.raises(ValueError, match=r"storage_options=\['key'\] given with the local path"):
+        FaultTolerantCheckpoint("ckpt", every_n_steps=1, storage_options={"key": "x"})
+
+    hidden = "import sys; sys.modules['s3fs'] = None; "  # as if s3fs were not installed
+    line = _one_line_error(hidden + CONSTRUCT.format(url=f"s3://{BUCKET}/run"), dict(os.environ))
+    assert line.endswith("pip install 'lightning-hybrid[s3]'") and "StorageError" in line, line
+
+    no_keys = {k: v for k, v in os.environ.items() if not k.startswith("AWS_")}
+    no_keys.update(AWS_ENDPOINT_URL=s3_endpoint["AWS_ENDPOINT_URL"], AWS_EC2_METADATA_DISABLED="true",
+                   AWS_SHARED_CREDENTIALS_FILE="/nonexistent", AWS_CONFIG_FILE="/nonexistent")
+    line = _one_line_error(CONSTRUCT.format(url=f"s3://{BUCKET}/run"), no_keys)
+    assert "NoCredentialsError: Unable to locate credentials" in line and f"s3://{BUCKET}/run" in line, line
+
+
+@pytest.mark.timeout(300)
+def test_storage_options_reach_the_bucket_without_environment_credentials(s3_endpoint, monkeypatch):
+    from lightning_hybrid import FaultTolerantCheckpoint
+    from lightning_hybrid.checkpoint.manifest import update_latest
+
+    for name in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_ENDPOINT_URL"):
+        monkeypatch.delenv(name)
+    options = {"key": "testing", "secret": "testing", "client_kwargs": {"endpoint_url": s3_endpoint["AWS_ENDPOINT_URL"],
+                                                                       "region_name": "us-east-1"}}
+    callback = FaultTolerantCheckpoint(f"s3://{BUCKET}/options", every_n_steps=1, storage_options=options)
+    update_latest(callback.dirpath, callback.dirpath / "step-000001")
+    assert (callback.dirpath / "latest").read_text() == "step-000001\n"  # through the same options

@@ -26,6 +26,7 @@ from lightning_hybrid.checkpoint.manifest import (
     step_dirname,
     update_latest,
 )
+from lightning_hybrid.checkpoint.staging import AsyncOptions
 from lightning_hybrid.checkpoint.storage import ObjectPath, checkpoint_path, is_committed, remove_checkpoint
 from lightning_hybrid.checkpoint.verify import verify_on_all_ranks
 
@@ -84,8 +85,9 @@ class FaultTolerantCheckpoint(pl.Callback):
         keep_last: committed checkpoints to keep; older ones are deleted (never the one written, nor the one
             resumed from until a newer one is committed). Before each save the oldest are deleted down to
             ``keep_last - 1`` (at least one stays), so the disk needs room for ``max(keep_last, 2)`` checkpoints.
-        async_save: block only while the state is copied to host memory and write in the background; the
-            next save (or the end of training) waits for the previous one.
+        async_save: block only while the save is planned; the state is copied to host memory in the background
+            while the next step's forward and backward run (its optimizer step waits for the copy), and written
+            by a background writer; the next save (or the end of training) waits for the previous one.
         auto_resume: on ``fit`` without ``ckpt_path``, resume from the newest valid checkpoint in ``dirpath``.
         save_on_exception: try a synchronous save when training raises (if all ranks reach it within 20 s; not
             tried when the exception says the process group is broken: a dead peer, a NCCL error).
@@ -97,6 +99,9 @@ class FaultTolerantCheckpoint(pl.Callback):
         mtbf_hours: mean time between failures of the job; with it, the Young/Daly interval for the measured
             save time is logged.
         verify_checksums: check CRC-32s (not only sizes) when choosing the checkpoint to resume from.
+        async_writer: the background writer of async saves: ``"thread"``, or ``"process"`` (DCP's
+            ``AsyncCheckpointerType.PROCESS``: a daemon process per rank, started at the first save; the training
+            script needs an ``if __name__ == "__main__":`` guard).
         storage_options: for a URL ``dirpath``: passed to fsspec and DCP (``key``, ``secret``,
             ``client_kwargs={"endpoint_url": ...}``, ...); without them the environment's credentials are used.
 
@@ -111,7 +116,7 @@ class FaultTolerantCheckpoint(pl.Callback):
                  auto_resume: bool = True, save_on_exception: bool = True, save_on_signal: bool = True,
                  allow_fresh_start: bool = True, max_consecutive_failures: int = 3,
                  mtbf_hours: Optional[float] = None, verify_checksums: bool = True,
-                 storage_options: Optional[dict[str, Any]] = None) -> None:
+                 storage_options: Optional[dict[str, Any]] = None, async_writer: str = "thread") -> None:
         if every_n_steps is None and every_n_minutes is None and not save_on_signal:
             raise ValueError("FaultTolerantCheckpoint needs every_n_steps, every_n_minutes or save_on_signal=True")
         if every_n_steps is not None and every_n_steps < 1:
@@ -125,6 +130,7 @@ class FaultTolerantCheckpoint(pl.Callback):
         self.every_n_minutes = every_n_minutes
         self.keep_last = keep_last
         self.async_save = async_save
+        self.async_options = AsyncOptions(writer=async_writer)
         self.auto_resume = auto_resume
         self.save_on_exception = save_on_exception
         self.save_on_signal = save_on_signal
@@ -139,6 +145,7 @@ class FaultTolerantCheckpoint(pl.Callback):
         self.save_seconds: list[float] = []      # start to commit of each save
         self._pending: Optional[Any] = None
         self._pending_step: Optional[int] = None
+        self._pending_staging = False  # an async save's copy to host memory may still run
         self._failures = 0
         self._signal_received = 0
         self._old_handlers: dict[int, Any] = {}
@@ -279,6 +286,16 @@ class FaultTolerantCheckpoint(pl.Callback):
         if (steps_due or time_flag) and step != self.last_saved_step:
             self._save(trainer, step, async_save=self.async_save)
 
+    def on_before_optimizer_step(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule",
+                                 optimizer: torch.optim.Optimizer) -> None:
+        # The background copy of an async save must end before the optimizer changes the weights; forward and
+        # backward of this step ran alongside it. The wait counts as time the save blocked training.
+        if self._pending is not None and self._pending_staging:
+            start = time.perf_counter()
+            self._pending.staged()
+            self._pending_staging = False
+            self.blocking_seconds[-1] += time.perf_counter() - start
+
     def _save(self, trainer: "pl.Trainer", step: int, async_save: bool) -> bool:
         """Start (and unless ``async_save`` commit) a save of ``step``; False when it failed (logged, cleaned up)."""
         if self._pending is not None:
@@ -292,8 +309,10 @@ class FaultTolerantCheckpoint(pl.Callback):
         start = time.perf_counter()
         try:
             checkpoint = trainer._checkpoint_connector.dump_checkpoint(weights_only=False)
-            self._pending = trainer.strategy.begin_save(checkpoint, tmp, async_save=async_save)
+            self._pending = trainer.strategy.begin_save(checkpoint, tmp,
+                                                        async_save=self.async_options if async_save else False)
             self._pending_step = step
+            self._pending_staging = bool(async_save)
         except SAVE_ERRORS as err:
             self._failed(trainer, tmp, step, err)
             return False

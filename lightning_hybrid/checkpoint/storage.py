@@ -202,9 +202,10 @@ def checkpoint_path(path: Union[str, Path, ObjectPath], storage_options: Optiona
 def _check_reachable(path: ObjectPath) -> None:
     bucket = _strip(path.url).split("/", 1)[0]
     try:
-        exists = path.fs.exists(bucket)
-        if exists:
-            path.fs.ls(bucket, detail=False)  # exists() hides a credentials error on some stores; a listing does not
+        path.fs.ls(bucket, detail=False)  # not exists(): s3fs's hides a credentials error as "no such bucket"
+        exists = True
+    except FileNotFoundError:
+        exists = False
     except Exception as err:  # noqa: BLE001 - the store's own error, in one line
         raise StorageError(f"checkpoint path {path.url}: {type(err).__name__}: {' '.join(str(err).split())} "
                            f"(set credentials and the endpoint in the environment or storage_options)") from None
@@ -214,8 +215,12 @@ def _check_reachable(path: ObjectPath) -> None:
 
 
 def _endpoint(path: ObjectPath) -> str:
+    import os
+
     client = path.options.get("client_kwargs", {}) or {}
-    return str(path.options.get("endpoint_url") or client.get("endpoint_url") or "the default endpoint")
+    return str(path.options.get("endpoint_url") or client.get("endpoint_url")
+               or os.environ.get("AWS_ENDPOINT_URL_S3") or os.environ.get("AWS_ENDPOINT_URL")
+               or "the default endpoint")
 
 
 def is_committed(folder: Union[Path, ObjectPath], manifest: str) -> bool:
