@@ -239,3 +239,17 @@ def test_storage_options_reach_the_bucket_without_environment_credentials(s3_end
     callback = FaultTolerantCheckpoint(f"s3://{BUCKET}/options", every_n_steps=1, storage_options=options)
     update_latest(callback.dirpath, callback.dirpath / "step-000001")
     assert (callback.dirpath / "latest").read_text() == "step-000001\n"  # through the same options
+
+
+@pytest.mark.slow
+def test_export_hf_reads_a_checkpoint_in_the_bucket_like_a_local_copy(baseline, tmp_path):
+    from safetensors.torch import load_file
+
+    from lightning_hybrid.checkpoint.export import export_main
+
+    local = tmp_path / "step-000008"
+    _fs().get(f"{BUCKET}/base/step-000008", str(local), recursive=True)
+    assert export_main([f"s3://{BUCKET}/base/step-000008", str(tmp_path / "from_s3"), "--dtype", "fp32"]) == 0
+    assert export_main([str(local), str(tmp_path / "from_disk"), "--dtype", "fp32"]) == 0
+    ours, theirs = (load_file(next((tmp_path / d).glob("*.safetensors"))) for d in ("from_s3", "from_disk"))
+    assert len(ours) > 5 and same_tensors(ours, theirs)

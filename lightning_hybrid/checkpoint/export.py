@@ -20,7 +20,7 @@ import torch
 from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.metadata import Metadata
 
-from lightning_hybrid.checkpoint.storage import ObjectPath, checkpoint_path
+from lightning_hybrid.checkpoint.storage import ObjectPath, checkpoint_path, storage_reader
 from lightning_hybrid.models.qwen2.config import Qwen2Config
 from lightning_hybrid.models.qwen2.hf import TOKENIZER_FILES, expected_hf_tensors, hf_to_ours
 
@@ -107,31 +107,25 @@ def _import_folder(init_from_hf: Optional[str]) -> Optional[Path]:
         return None
 
 
-class _MetadataOnce:
-    """Parses the checkpoint's ``.metadata`` once, not once per tensor loaded (mixed into a DCP reader)."""
+class _MetadataOnceReader(FileSystemReader):
+    """A DCP reader that parses the checkpoint's ``.metadata`` once, not once per tensor loaded."""
 
     _cached: Optional[Metadata] = None
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
         if self._cached is None:
-            self._cached = super().read_metadata(*args, **kwargs)  # type: ignore[misc]
+            self._cached = super().read_metadata(*args, **kwargs)
         return self._cached
-
-
-class _MetadataOnceReader(_MetadataOnce, FileSystemReader):
-    """A DCP reader of a local folder that parses ``.metadata`` once."""
 
 
 def _reader(checkpoint: Any) -> Any:
     """The DCP reader of ``checkpoint``: local files, or DCP's fsspec reader for an object store (its options)."""
     if not isinstance(checkpoint, ObjectPath):
         return _MetadataOnceReader(str(checkpoint))
-    from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader
-
-    class _MetadataOnceFsspecReader(_MetadataOnce, FsspecReader):
-        pass
-
-    return _MetadataOnceFsspecReader(checkpoint.url, **checkpoint.options)
+    reader = storage_reader(checkpoint)
+    metadata = reader.read_metadata()  # parsed once: the export loads one tensor at a time
+    reader.read_metadata = lambda *args, **kwargs: metadata
+    return reader
 
 
 def _plan_shards(names: list[str], sizes: dict[str, int], limit: int) -> list[list[str]]:
@@ -278,7 +272,8 @@ def export_main(argv: Optional[Sequence[str]] = None) -> int:
     """``lightning-hybrid export-hf CHECKPOINT_DIR OUT_DIR [--dtype bf16] [--max-shard-size 5GB]``."""
     parser = argparse.ArgumentParser(prog="lightning-hybrid export-hf",
                                      description="Write a Hugging Face Qwen2 folder (safetensors) from a checkpoint.")
-    parser.add_argument("checkpoint_dir", help="a committed checkpoint folder (step-N, with meta.json)")
+    parser.add_argument("checkpoint_dir", help="a committed checkpoint folder (step-N, with meta.json), local or an "
+                        "fsspec URL (s3://bucket/run/step-N; credentials and endpoint from the environment)")
     parser.add_argument("out_dir", help="output folder (created; must be empty unless --overwrite)")
     parser.add_argument("--dtype", choices=list(EXPORT_DTYPES), default="bf16", help="dtype of the written weights")
     parser.add_argument("--max-shard-size", default="5GB", help="largest safetensors shard (5GB, 500MB, 2GiB)")
