@@ -21,7 +21,7 @@ from typing import Any, Optional
 
 import torch
 
-__all__ = ["AsyncOptions", "ASYNC_WRITERS", "AsyncSave", "start_async_save"]
+__all__ = ["AsyncOptions", "ASYNC_WRITERS", "AsyncSave", "start_async_save", "close_stagers"]
 
 ASYNC_WRITERS = ("thread", "process")
 
@@ -75,6 +75,12 @@ def _stager(options: AsyncOptions) -> Any:
             use_pinned_memory=cuda, use_shared_memory=options.writer == "process",
             use_async_staging=options.background_staging, use_non_blocking_copy=cuda))
     return _STAGERS[options]
+
+
+def close_stagers() -> None:
+    """Free the host buffers of every stager of this process (the next async save makes a new one)."""
+    while _STAGERS:
+        _STAGERS.popitem()[1].close()
 
 
 def _planner(options: AsyncOptions) -> Any:
