@@ -195,7 +195,7 @@ def test_sigkill_during_a_background_process_write_commits_nothing(s3_endpoint, 
 def _one_line_error(code: str, env: dict) -> str:
     """Run ``code`` in a fresh interpreter (its own fsspec instances and environment); the exception's one line."""
     result = subprocess.run([sys.executable, "-c", code], env={**env, "PYTHONPATH": os.environ.get("PYTHONPATH", "")},
-                            capture_output=True, text=True, timeout=120)
+                            capture_output=True, text=True, timeout=280)
     assert result.returncode != 0, result.stdout
     return result.stderr.strip().splitlines()[-1]
 
