@@ -8,7 +8,6 @@ Lightning's hooks only; each calls the modules that do the work: :mod:`lightning
 from __future__ import annotations
 
 from datetime import timedelta
-from pathlib import Path
 from typing import Any, Callable, Literal, Optional, Union
 
 import lightning.pytorch as pl
@@ -323,7 +322,7 @@ class HybridParallelStrategy(ModelParallelStrategy):
 
     def begin_save(self, checkpoint: dict[str, Any], folder: Any, async_save: bool) -> sharded.ShardedSave:
         """Start writing a sharded checkpoint of a declared model (see :mod:`lightning_hybrid.checkpoint.sharded`)."""
-        return sharded.begin_save(self.checkpoint_context(), checkpoint, Path(folder), async_save)
+        return sharded.begin_save(self.checkpoint_context(), checkpoint, folder, async_save)
 
     @override
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Optional[Any] = None) -> None:
@@ -337,7 +336,7 @@ class HybridParallelStrategy(ModelParallelStrategy):
     def load_checkpoint(self, checkpoint_path: Any, weights_only: Optional[bool] = None) -> dict[str, Any]:
         if self._spec is None:
             return super().load_checkpoint(checkpoint_path, weights_only)
-        state = sharded.load(self.checkpoint_context(), Path(self.broadcast(str(checkpoint_path))))
+        state = sharded.load(self.checkpoint_context(), self.broadcast(str(checkpoint_path)))
         self.resume_position = state.get("hybrid", {}).get("data_position")
         return state
 

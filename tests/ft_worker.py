@@ -5,7 +5,7 @@ restart count is 0), SIGTERM_AT (every rank sends itself SIGTERM at that step), 
 background writer pauses 2 s before its first collective), TP, PP. FILL_DISK_AT (rank 0 fills the checkpoint file
 system after that step, before the next step's save, leaving FILL_DISK_LEAVE bytes), FREE_DISK_AT (rank 0 waits for
 the pending save to end after that step, then frees the space again), FAIL_LIKE_DCP_AT (every rank's DCP file writer
-raises ENOSPC for that step's checkpoint, where no file system can be mounted).
+raises ENOSPC for that step's checkpoint, where no file system can be mounted), ASYNC_WRITER (thread or process).
 """
 
 from __future__ import annotations
@@ -166,14 +166,14 @@ def main() -> None:
     inject_write_failures()
     inject_dcp_like_failures()
     slow_down_background_writer()
-    out, ckpt = Path(env("OUT")), Path(env("CKPT"))
+    out, ckpt = Path(env("OUT")), env("CKPT")  # a folder or an fsspec URL (s3://...)
     tp, pp = int(env("TP", "2")), int(env("PP", "2"))
     world = int(env("WORLD_SIZE"))
     dp = world // (tp * pp)
     L.seed_everything(SEED)
     checkpoint = FaultTolerantCheckpoint(ckpt, every_n_steps=int(env("EVERY", "2")),
                                          async_save=env("ASYNC", "1") == "1",
-                                         keep_last=int(env("KEEP", "3")))
+                                         keep_last=int(env("KEEP", "3")), async_writer=env("ASYNC_WRITER", "thread"))
     kwargs = {**make_trainer_kwargs()["trainer"], "max_steps": int(env("STEPS", "8")), "val_check_interval": None,
               "limit_val_batches": 0}
     from datetime import timedelta

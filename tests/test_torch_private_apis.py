@@ -19,6 +19,8 @@ Wrappers (in ``lightning_hybrid.distributed``) and the private APIs they use:
   loop's state-dict keys ``epoch_loop.automatic_optimization.optim_progress`` and ``epoch_loop.state_dict``;
 - ``callbacks.rollback._rewind``: the fit loop's ``_data_fetcher`` (``iter()`` makes its iterator anew, ``fetched``
   counts the epoch's batches) and its state-dict key ``epoch_loop.batch_progress``;
+- ``checkpoint.storage.storage_writer`` / ``storage_reader``: ``torch.distributed.checkpoint._fsspec_filesystem``'s
+  ``FsspecWriter`` and ``FsspecReader`` (a path and fsspec's storage options as keywords);
 - ``lightning_hybrid.planner.auto_setup._data``: Lightning's ``trainer.fit_loop._data_source.instance`` (the
   DataLoader given to ``fit``, before Lightning sets it up), read by the auto layout.
 
@@ -63,6 +65,7 @@ IS_SPLIT = "lightning_hybrid.distributed.clip_grad._is_split"
 LOCAL_REGION = "lightning_hybrid.distributed.init_weights.local_region"
 RESTORE_COUNTERS = "lightning_hybrid.callbacks.rollback._restore_counters"
 REWIND = "lightning_hybrid.callbacks.rollback._rewind"
+FSSPEC_WRITER = "lightning_hybrid.checkpoint.storage.storage_writer"
 
 
 def broken(wrapper: str, what: str) -> str:
@@ -476,3 +479,21 @@ def test_static_stages_use_pipelining_metadata():
     with blame(STATIC_STAGES):
         metas = extract((torch.empty(2, 3, device="meta").requires_grad_(True),))
     assert metas[0].shape == (2, 3) and metas[0].requires_grad
+
+
+# ---------------------------------------------------------------------------------- fsspec checkpoint storage
+
+
+def test_dcp_fsspec_writer_and_reader_take_a_path_and_storage_options(tmp_path):
+    writer = private("torch.distributed.checkpoint._fsspec_filesystem", "FsspecWriter", FSSPEC_WRITER)
+    reader = private("torch.distributed.checkpoint._fsspec_filesystem", "FsspecReader", FSSPEC_WRITER)
+    takes(writer.__init__, ["path", "kwargs"], FSSPEC_WRITER)
+    takes(reader.__init__, ["path", "kwargs"], FSSPEC_WRITER)
+    with blame(FSSPEC_WRITER):
+        import torch.distributed.checkpoint as dcp
+
+        url = f"file://{tmp_path}/ckpt"
+        dcp.save({"w": torch.arange(4.0)}, storage_writer=writer(url, auto_mkdir=True), no_dist=True)
+        loaded = {"w": torch.zeros(4)}
+        dcp.load(loaded, storage_reader=reader(url, auto_mkdir=True), no_dist=True)
+    assert torch.equal(loaded["w"], torch.arange(4.0))

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import logging
 import os
-import shutil
 import signal
 import sys
 import time
@@ -18,6 +17,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 
 from lightning_hybrid.checkpoint.dcp import SAVE_ERRORS, describe_save_error
 from lightning_hybrid.checkpoint.manifest import (
+    MANIFEST,
     CheckpointError,
     committed_checkpoints,
     fsync_dir,
@@ -26,6 +26,8 @@ from lightning_hybrid.checkpoint.manifest import (
     step_dirname,
     update_latest,
 )
+from lightning_hybrid.checkpoint.staging import AsyncOptions
+from lightning_hybrid.checkpoint.storage import ObjectPath, checkpoint_path, is_committed, remove_checkpoint
 from lightning_hybrid.checkpoint.verify import verify_on_all_ranks
 
 log = logging.getLogger(__name__)
@@ -53,6 +55,10 @@ class CheckpointSavesFailed(RuntimeError):
     """Raised on every rank after ``max_consecutive_failures`` saves in a row failed; training stops."""
 
 
+def _is_step_name(name: str) -> bool:
+    return name.startswith("step-") and name[len("step-"):].isdigit()
+
+
 def suggest_interval(save_seconds: float, mtbf_hours: float) -> float:
     """Young/Daly checkpoint interval in seconds for a save cost and a mean time between failures."""
     from lightning_hybrid.planner.interval import young_daly_interval
@@ -68,15 +74,20 @@ class FaultTolerantCheckpoint(pl.Callback):
     every file), renames the folder to ``step-NNNNNN/`` and atomically updates ``dirpath/latest``. A
     crash at any moment leaves the previous checkpoint and ``latest`` intact.
 
+    On an object store (``dirpath="s3://bucket/prefix"`` or any fsspec URL) there is no rename: each save is
+    written straight into ``step-NNNNNN/`` and is committed when rank 0 writes its manifest object, after every
+    shard was read back and checksummed; a killed upload leaves no manifest and is never chosen.
+
     Args:
-        dirpath: folder of the checkpoints (shared by all nodes).
+        dirpath: folder of the checkpoints (shared by all nodes), or an fsspec URL (``s3://bucket/prefix``).
         every_n_steps: save every N optimizer steps.
         every_n_minutes: save when this much wall time passed since the last save (decided by rank 0).
         keep_last: committed checkpoints to keep; older ones are deleted (never the one written, nor the one
             resumed from until a newer one is committed). Before each save the oldest are deleted down to
             ``keep_last - 1`` (at least one stays), so the disk needs room for ``max(keep_last, 2)`` checkpoints.
-        async_save: block only while the state is copied to host memory and write in the background; the
-            next save (or the end of training) waits for the previous one.
+        async_save: block only while the save is planned; the state is copied to host memory in the background
+            while the next step's forward and backward run (its optimizer step waits for the copy), and written
+            by a background writer; the next save (or the end of training) waits for the previous one.
         auto_resume: on ``fit`` without ``ckpt_path``, resume from the newest valid checkpoint in ``dirpath``.
         save_on_exception: try a synchronous save when training raises (if all ranks reach it within 20 s; not
             tried when the exception says the process group is broken: a dead peer, a NCCL error).
@@ -88,16 +99,24 @@ class FaultTolerantCheckpoint(pl.Callback):
         mtbf_hours: mean time between failures of the job; with it, the Young/Daly interval for the measured
             save time is logged.
         verify_checksums: check CRC-32s (not only sizes) when choosing the checkpoint to resume from.
+        async_writer: the background writer of async saves: ``"thread"``, or ``"process"`` (DCP's
+            ``AsyncCheckpointerType.PROCESS``: a daemon process per rank, started at the first save; the training
+            script needs an ``if __name__ == "__main__":`` guard).
+        storage_options: for a URL ``dirpath``: passed to fsspec and DCP (``key``, ``secret``,
+            ``client_kwargs={"endpoint_url": ...}``, ...); without them the environment's credentials are used.
 
     Raises:
-        ValueError: no interval was given, or a value is out of range.
+        ValueError: no interval was given, or a value is out of range; for a URL, one line when its scheme is
+            unknown, its package is missing (``pip install 'lightning-hybrid[s3]'``), the bucket does not exist or
+            the store refuses the credentials.
     """
 
     def __init__(self, dirpath: Union[str, Path], every_n_steps: Optional[int] = None,
                  every_n_minutes: Optional[float] = None, keep_last: int = 3, async_save: bool = True,
                  auto_resume: bool = True, save_on_exception: bool = True, save_on_signal: bool = True,
                  allow_fresh_start: bool = True, max_consecutive_failures: int = 3,
-                 mtbf_hours: Optional[float] = None, verify_checksums: bool = True) -> None:
+                 mtbf_hours: Optional[float] = None, verify_checksums: bool = True,
+                 storage_options: Optional[dict[str, Any]] = None, async_writer: str = "thread") -> None:
         if every_n_steps is None and every_n_minutes is None and not save_on_signal:
             raise ValueError("FaultTolerantCheckpoint needs every_n_steps, every_n_minutes or save_on_signal=True")
         if every_n_steps is not None and every_n_steps < 1:
@@ -106,11 +125,12 @@ class FaultTolerantCheckpoint(pl.Callback):
             raise ValueError(f"every_n_minutes={every_n_minutes} must be positive")
         if keep_last < 1:
             raise ValueError(f"keep_last={keep_last} must be at least 1")
-        self.dirpath = Path(dirpath)
+        self.dirpath = checkpoint_path(dirpath, storage_options, check=True)
         self.every_n_steps = every_n_steps
         self.every_n_minutes = every_n_minutes
         self.keep_last = keep_last
         self.async_save = async_save
+        self.async_options = AsyncOptions(writer=async_writer)
         self.auto_resume = auto_resume
         self.save_on_exception = save_on_exception
         self.save_on_signal = save_on_signal
@@ -118,13 +138,14 @@ class FaultTolerantCheckpoint(pl.Callback):
         self.max_consecutive_failures = max_consecutive_failures
         self.mtbf_hours = mtbf_hours
         self.verify_checksums = verify_checksums
-        self.resumed_from: Optional[Path] = None
+        self.resumed_from: Optional[Any] = None
         self.last_saved_step: Optional[int] = None  # the step of the newest save started (and not failed)
         self._last_committed_step: Optional[int] = None
         self.blocking_seconds: list[float] = []  # time training was blocked by each save
         self.save_seconds: list[float] = []      # start to commit of each save
         self._pending: Optional[Any] = None
         self._pending_step: Optional[int] = None
+        self._pending_staging = False  # an async save's copy to host memory may still run
         self._failures = 0
         self._signal_received = 0
         self._old_handlers: dict[int, Any] = {}
@@ -144,9 +165,9 @@ class FaultTolerantCheckpoint(pl.Callback):
         strategy = trainer.strategy
         if trainer.is_global_zero:
             self.dirpath.mkdir(parents=True, exist_ok=True)
-            for stale in self.dirpath.glob("step-*.tmp"):  # half-written saves of a crashed run
+            for stale in self._incomplete():  # half-written saves of a crashed run
                 rank_zero_info(f"removing incomplete checkpoint {stale}")
-                shutil.rmtree(stale, ignore_errors=True)
+                remove_checkpoint(stale, MANIFEST)
         if trainer.ckpt_path is not None or not self.auto_resume:
             return
         existing = strategy.broadcast([c.path.name for c in committed_checkpoints(self.dirpath)]
@@ -172,11 +193,18 @@ class FaultTolerantCheckpoint(pl.Callback):
             raise CheckpointError(found[len("error:"):])
         if found:
             rank_zero_info(f"auto-resuming from {found}")
-            self.resumed_from = Path(found)
+            self.resumed_from = checkpoint_path(found)
             # Lightning restores from `ckpt_path` right after this hook; a callback cannot set that argument,
             # so it pre-loads the checkpoint into the connector the same way `fit(ckpt_path=...)` would.
             trainer._checkpoint_connector.resume_start(found)
             self.last_saved_step = int(trainer._checkpoint_connector._loaded_checkpoint.get("global_step", 0))
+
+    def _incomplete(self) -> list[Any]:
+        """Saves a crash left behind: ``step-N.tmp`` folders; on an object store, ``step-N`` prefixes without their
+        manifest (an upload killed before its commit)."""
+        if isinstance(self.dirpath, ObjectPath):
+            return [p for p in self.dirpath.iterdir() if _is_step_name(p.name) and not is_committed(p, MANIFEST)]
+        return list(self.dirpath.glob("step-*.tmp"))
 
     def _newest_valid(self, trainer: "pl.Trainer", candidates: list[Path]) -> Optional[Path]:
         """The first of ``candidates`` (newest first) whose files all match the manifest, checked by all ranks.
@@ -258,20 +286,33 @@ class FaultTolerantCheckpoint(pl.Callback):
         if (steps_due or time_flag) and step != self.last_saved_step:
             self._save(trainer, step, async_save=self.async_save)
 
+    def on_before_optimizer_step(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule",
+                                 optimizer: torch.optim.Optimizer) -> None:
+        # The background copy of an async save must end before the optimizer changes the weights; forward and
+        # backward of this step ran alongside it. The wait counts as time the save blocked training.
+        if self._pending is not None and self._pending_staging:
+            start = time.perf_counter()
+            self._pending.staged()
+            self._pending_staging = False
+            self.blocking_seconds[-1] += time.perf_counter() - start
+
     def _save(self, trainer: "pl.Trainer", step: int, async_save: bool) -> bool:
         """Start (and unless ``async_save`` commit) a save of ``step``; False when it failed (logged, cleaned up)."""
         if self._pending is not None:
             self._commit(trainer)  # the next save waits for the previous one
         final = self.dirpath / step_dirname(step)
-        if final.is_dir():
+        if is_committed(final, MANIFEST):
             return True  # this step is saved already (for example the one just resumed from)
-        tmp = self.dirpath / (step_dirname(step) + ".tmp")
+        # No rename on an object store: the save goes straight to its prefix and commits with its manifest.
+        tmp = final if isinstance(final, ObjectPath) else self.dirpath / (step_dirname(step) + ".tmp")
         self._make_room(trainer)
         start = time.perf_counter()
         try:
             checkpoint = trainer._checkpoint_connector.dump_checkpoint(weights_only=False)
-            self._pending = trainer.strategy.begin_save(checkpoint, tmp, async_save=async_save)
+            self._pending = trainer.strategy.begin_save(checkpoint, tmp,
+                                                        async_save=self.async_options if async_save else False)
             self._pending_step = step
+            self._pending_staging = bool(async_save)
         except SAVE_ERRORS as err:
             self._failed(trainer, tmp, step, err)
             return False
@@ -304,8 +345,9 @@ class FaultTolerantCheckpoint(pl.Callback):
             return False
         final = self.dirpath / step_dirname(step)
         if trainer.is_global_zero:
-            os.replace(tmp, final)
-            fsync_dir(self.dirpath)
+            if tmp != final:
+                os.replace(tmp, final)
+                fsync_dir(self.dirpath)
             update_latest(self.dirpath, final)
             for removed in purge_old(self.dirpath, self.keep_last, protect=[final, *self._protected()]):
                 rank_zero_info(f"removed old checkpoint {removed}")
@@ -327,7 +369,7 @@ class FaultTolerantCheckpoint(pl.Callback):
         self._failures += 1
         self.last_saved_step = self._last_committed_step  # nothing of this step was committed
         if trainer.is_global_zero:
-            shutil.rmtree(tmp, ignore_errors=True)
+            remove_checkpoint(tmp, MANIFEST)
         cause = describe_save_error(err)
         if self._failures >= self.max_consecutive_failures:
             raise CheckpointSavesFailed(

@@ -22,13 +22,15 @@ import random
 import re
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
-from typing import Any, Callable, Optional, Sequence
+from typing import Any, Callable, Optional, Sequence, Union
 
 import numpy as np
 import torch
 from torch import nn
 
 from lightning_hybrid.checkpoint.manifest import CheckpointError, file_record
+from lightning_hybrid.checkpoint.staging import AsyncOptions, start_async_save
+from lightning_hybrid.checkpoint.storage import ObjectPath, storage_reader, storage_writer
 
 __all__ = ["SAVE_ERRORS", "describe_save_error", "model_optimizer_state", "write_shards", "load_shards", "rng_state",
            "restore_rng_state",
@@ -116,6 +118,8 @@ def load_plain(path: Path, allowed: Sequence[Any] = ()) -> Any:
 
     try:
         with torch.serialization.safe_globals(list(allowed)):
+            if isinstance(path, ObjectPath):
+                return torch.load(io.BytesIO(path.read_bytes()), map_location="cpu", weights_only=True)
             return torch.load(path, map_location="cpu", weights_only=True)
     except pickle.UnpicklingError as err:
         found = re.search(r"GLOBAL ([\w.]+)", str(err))
@@ -137,8 +141,14 @@ def own_files(folder: Path, group_rank: int, global_rank: int) -> list[str]:
 class PendingWrite:
     """A checkpoint write in progress on this rank; ``result()`` gives the records of the files it wrote."""
 
-    def __init__(self, future: Future) -> None:
+    def __init__(self, future: Future, staging: Optional[Future] = None) -> None:
         self._future = future
+        self._staging = staging
+
+    def staged(self) -> None:
+        """Block until the state is copied to host memory (before the optimizer may change it)."""
+        if self._staging is not None:
+            self._staging.result()
 
     def done(self) -> bool:
         return self._future.done()
@@ -158,11 +168,13 @@ def _executor() -> ThreadPoolExecutor:
 
 
 def write_shards(folder: Path, state: dict[str, Any], group: Any, group_rank: int, global_rank: int,
-                 async_save: bool) -> PendingWrite:
+                 async_save: Union[bool, AsyncOptions]) -> PendingWrite:
     """Write this rank's part of ``state`` into ``folder`` with DCP (the folder exists; see :func:`save_rng`).
 
-    With ``async_save`` the call returns once the state is copied to host memory (DCP's staging); the
-    files are written in a background thread and checksummed there. Otherwise it returns after the write.
+    With ``async_save`` (``True``: the default :class:`~.staging.AsyncOptions`) the call returns once the save is
+    planned; the state is copied to host memory in the background (wait with ``PendingWrite.staged()`` before the
+    weights change), the files are written by a background thread or process and checksummed in a thread here.
+    Otherwise it returns after the write.
     The background thread runs collectives on ``group``: no other thread may use that group until the write
     is done, or ranks can match the two threads' collectives in different orders and hang.
     """
@@ -172,24 +184,34 @@ def write_shards(folder: Path, state: dict[str, Any], group: Any, group_rank: in
         return {name: file_record(folder / name) for name in own_files(folder, group_rank, global_rank)}
 
     if async_save:
-        upload = dcp.async_save(state, checkpoint_id=str(folder), process_group=group)
-        upload_future = getattr(upload, "upload_completion", upload)
+        options = async_save if isinstance(async_save, AsyncOptions) else AsyncOptions()
+        started = start_async_save(state, _target(folder), group, options)
 
         def finish() -> dict[str, dict[str, Any]]:
-            upload_future.result()
+            started.upload.result()
             return records()
 
-        return PendingWrite(_executor().submit(finish))
-    dcp.save(state, checkpoint_id=str(folder), process_group=group)
+        return PendingWrite(_executor().submit(finish), started.staging)
+    dcp.save(state, **_target(folder), process_group=group)
     done: Future = Future()
     done.set_result(records())
     return PendingWrite(done)
 
 
+def _target(folder: Path, read: bool = False) -> dict[str, Any]:
+    """DCP's arguments for ``folder``: a local path, or an fsspec reader/writer carrying the storage options (DCP
+    would re-open a ``checkpoint_id`` URL without them)."""
+    if isinstance(folder, ObjectPath):
+        return {"storage_reader": storage_reader(folder)} if read else {"storage_writer": storage_writer(folder)}
+    return {"checkpoint_id": str(folder)}
+
+
 def save_rng(folder: Path, global_rank: int) -> None:
     """Write this rank's random states to ``folder/rng/rank_R.pt``."""
     (folder / RNG_DIR).mkdir(parents=True, exist_ok=True)
-    torch.save(rng_state(), folder / RNG_DIR / f"rank_{global_rank}.pt")
+    buffer = io.BytesIO()
+    torch.save(rng_state(), buffer)
+    (folder / RNG_DIR / f"rank_{global_rank}.pt").write_bytes(buffer.getvalue())
 
 
 def load_shards(folder: Path, module: nn.Module, optimizers: list[torch.optim.Optimizer], group: Any) -> None:
@@ -198,7 +220,7 @@ def load_shards(folder: Path, module: nn.Module, optimizers: list[torch.optim.Op
     from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict, set_optimizer_state_dict
 
     state = model_optimizer_state(module, optimizers)
-    dcp.load(state, checkpoint_id=str(folder), process_group=group)
+    dcp.load(state, **_target(folder, read=True), process_group=group)
     set_model_state_dict(module, state["model"])
     flat = StateDictOptions(flatten_optimizer_state_dict=True)
     for i, optimizer in enumerate(optimizers):

@@ -20,6 +20,7 @@ import torch
 from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.metadata import Metadata
 
+from lightning_hybrid.checkpoint.storage import ObjectPath, checkpoint_path, storage_reader
 from lightning_hybrid.models.qwen2.config import Qwen2Config
 from lightning_hybrid.models.qwen2.hf import TOKENIZER_FILES, expected_hf_tensors, hf_to_ours
 
@@ -117,6 +118,16 @@ class _MetadataOnceReader(FileSystemReader):
         return self._cached
 
 
+def _reader(checkpoint: Any) -> Any:
+    """The DCP reader of ``checkpoint``: local files, or DCP's fsspec reader for an object store (its options)."""
+    if not isinstance(checkpoint, ObjectPath):
+        return _MetadataOnceReader(str(checkpoint))
+    reader = storage_reader(checkpoint)
+    metadata = reader.read_metadata()  # parsed once: the export loads one tensor at a time
+    reader.read_metadata = lambda *args, **kwargs: metadata
+    return reader
+
+
 def _plan_shards(names: list[str], sizes: dict[str, int], limit: int) -> list[list[str]]:
     shards: list[list[str]] = [[]]
     used = 0
@@ -145,7 +156,8 @@ def export_hf(checkpoint_dir: Union[str, Path], out_dir: Union[str, Path], dtype
     the folder the weights were imported from is still available, its tokenizer files.
 
     Args:
-        checkpoint_dir: a committed checkpoint folder (DCP files and ``meta.json``).
+        checkpoint_dir: a committed checkpoint folder (DCP files and ``meta.json``), local or an fsspec URL
+            (``s3://bucket/prefix/step-000400``; credentials and endpoint from the environment).
         out_dir: where to write; created, and it must be empty unless ``overwrite``.
         dtype: ``"bf16"``, ``"fp16"`` or ``"fp32"``.
         max_shard_size: ``"5GB"``, ``"500MB"``, ``"2GiB"`` or bytes.
@@ -163,10 +175,10 @@ def export_hf(checkpoint_dir: Union[str, Path], out_dir: Union[str, Path], dtype
         raise ValueError(f"dtype={dtype!r} is not supported; use one of {', '.join(EXPORT_DTYPES)}")
     out_dtype = EXPORT_DTYPES[dtype]
     limit = parse_size(max_shard_size)
-    checkpoint, out = Path(checkpoint_dir), Path(out_dir)
+    checkpoint, out = checkpoint_path(checkpoint_dir), Path(out_dir)
     config, hparams = _read_meta(checkpoint)
     _prepare_out_dir(out, overwrite)
-    reader = _MetadataOnceReader(str(checkpoint))
+    reader = _reader(checkpoint)
     stored, expected = _check_stored_tensors(reader, checkpoint, config)
     _write_weights(reader, stored, expected, out, out_dtype, limit)
     _write_configs(out, config, out_dtype, _import_folder(hparams.get("init_from_hf")))
@@ -260,7 +272,8 @@ def export_main(argv: Optional[Sequence[str]] = None) -> int:
     """``lightning-hybrid export-hf CHECKPOINT_DIR OUT_DIR [--dtype bf16] [--max-shard-size 5GB]``."""
     parser = argparse.ArgumentParser(prog="lightning-hybrid export-hf",
                                      description="Write a Hugging Face Qwen2 folder (safetensors) from a checkpoint.")
-    parser.add_argument("checkpoint_dir", help="a committed checkpoint folder (step-N, with meta.json)")
+    parser.add_argument("checkpoint_dir", help="a committed checkpoint folder (step-N, with meta.json), local or an "
+                        "fsspec URL (s3://bucket/run/step-N; credentials and endpoint from the environment)")
     parser.add_argument("out_dir", help="output folder (created; must be empty unless --overwrite)")
     parser.add_argument("--dtype", choices=list(EXPORT_DTYPES), default="bf16", help="dtype of the written weights")
     parser.add_argument("--max-shard-size", default="5GB", help="largest safetensors shard (5GB, 500MB, 2GiB)")

@@ -4,6 +4,10 @@ A checkpoint is complete only when its folder is named ``step-NNNNNN`` (written 
 ``step-NNNNNN.tmp`` and renamed after every rank finished) and its ``meta.json`` lists every file with
 its size and CRC-32. ``latest`` is a small text file naming the newest committed folder, replaced
 atomically (write a temporary file, fsync, ``os.replace``).
+
+On an object store (an fsspec URL, see :mod:`~lightning_hybrid.checkpoint.storage`) there is no rename: a
+``step-NNNNNN/`` prefix is committed once its ``meta.json`` object exists, written last; ``latest`` is one object
+written after it.
 """
 
 from __future__ import annotations
@@ -11,11 +15,12 @@ from __future__ import annotations
 import json
 import os
 import re
-import shutil
 import zlib
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterable, Union
+
+from lightning_hybrid.checkpoint.storage import ObjectPath, checkpoint_path, move_checkpoint, remove_checkpoint
 
 __all__ = ["MANIFEST", "LATEST", "step_dirname", "file_record", "write_manifest",
            "CheckpointError", "committed_checkpoints", "set_aside_newer", "update_latest", "purge_old",
@@ -38,14 +43,16 @@ def step_dirname(step: int) -> str:
 def file_record(path: Path) -> dict[str, Any]:
     """Size and CRC-32 of one file, read in 8 MB chunks."""
     crc = 0
-    with open(path, "rb") as f:
+    with path.open("rb") as f:
         while chunk := f.read(_CHUNK):
             crc = zlib.crc32(chunk, crc)
     return {"size": path.stat().st_size, "crc32": f"{crc:08x}"}
 
 
 def fsync_dir(path: Path) -> None:
-    """Make a rename or a new file inside ``path`` durable."""
+    """Make a rename or a new file inside ``path`` durable (nothing to do on an object store)."""
+    if isinstance(path, ObjectPath):
+        return
     fd = os.open(path, os.O_RDONLY)
     try:
         os.fsync(fd)
@@ -54,6 +61,9 @@ def fsync_dir(path: Path) -> None:
 
 
 def _write_atomically(path: Path, text: str) -> None:
+    if isinstance(path, ObjectPath):  # one PUT: the object appears whole or not at all
+        path.write_text(text)
+        return
     tmp = path.with_name(path.name + ".writing")
     with open(tmp, "w") as f:
         f.write(text)
@@ -74,7 +84,7 @@ def read_manifest(folder: Path) -> dict[str, Any]:
     Raises:
         CheckpointError: it is missing or not valid JSON.
     """
-    path = Path(folder) / MANIFEST
+    path = checkpoint_path(folder) / MANIFEST
     if not path.is_file():
         raise CheckpointError(f"checkpoint {folder} has no {MANIFEST} (incomplete or not a checkpoint)")
     try:
@@ -90,8 +100,13 @@ class Committed:
 
 
 def committed_checkpoints(dirpath: Union[str, Path]) -> list[Committed]:
-    """Committed ``step-N`` folders in ``dirpath``, newest first (``.tmp`` folders are never listed)."""
-    root = Path(dirpath)
+    """Committed ``step-N`` folders in ``dirpath``, newest first (``.tmp`` folders are never listed; on an object
+    store, only prefixes with their manifest: one listing)."""
+    root = checkpoint_path(dirpath)
+    if isinstance(root, ObjectPath):
+        found = [Committed(int(m.group(1)), p.parent) for p in root.glob(f"step-*/{MANIFEST}")
+                 if (m := _STEP_DIR.match(p.parent.name))]
+        return sorted(found, key=lambda c: c.step, reverse=True)
     if not root.is_dir():
         return []
     found = [Committed(int(m.group(1)), p) for p in root.iterdir() if p.is_dir() and (m := _STEP_DIR.match(p.name))]
@@ -114,26 +129,26 @@ def set_aside_newer(dirpath: Union[str, Path], step: int) -> list[Path]:
         while target.exists():
             n += 1
             target = candidate.path.with_name(f"{candidate.path.name}.damaged-{n}")
-        os.replace(candidate.path, target)
+        move_checkpoint(candidate.path, target, MANIFEST)
         moved.append(target)
     if moved:
-        fsync_dir(Path(dirpath))
+        fsync_dir(checkpoint_path(dirpath))
     return moved
 
 
 def update_latest(dirpath: Path, folder: Path) -> None:
     """Point ``dirpath/latest`` at ``folder`` (atomic replace)."""
-    _write_atomically(Path(dirpath) / LATEST, folder.name + "\n")
+    _write_atomically(checkpoint_path(dirpath) / LATEST, folder.name + "\n")
 
 
 def purge_old(dirpath: Path, keep_last: int, protect: Iterable[Path] = ()) -> list[Path]:
     """Delete committed checkpoints beyond the newest ``keep_last``, never one in ``protect``; and stale ``.tmp``
     folders. Returns the deleted folders."""
-    protected = {Path(p).resolve() for p in protect}
+    protected = {checkpoint_path(p).resolve() for p in protect}
     removed = []
     for old in committed_checkpoints(dirpath)[keep_last:]:
         if old.path.resolve() not in protected:
-            shutil.rmtree(old.path, ignore_errors=True)
+            remove_checkpoint(old.path, MANIFEST)
             removed.append(old.path)
     return removed
 

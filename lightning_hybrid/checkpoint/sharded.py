@@ -13,7 +13,7 @@ import platform
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Optional, Union
 
 import torch
 
@@ -31,6 +31,8 @@ from lightning_hybrid.checkpoint.dcp import (
     write_shards,
 )
 from lightning_hybrid.checkpoint.manifest import MANIFEST, CheckpointError, file_record, write_manifest
+from lightning_hybrid.checkpoint.staging import AsyncOptions
+from lightning_hybrid.checkpoint.storage import checkpoint_path
 from lightning_hybrid.checkpoint.verify import verify_on_all_ranks
 
 __all__ = ["CheckpointContext", "ShardedSave", "begin_save", "load", "CheckpointWriteError", "check_model_config"]
@@ -111,6 +113,10 @@ class ShardedSave:
     def ready(self) -> bool:
         return self.pending.done()
 
+    def staged(self) -> None:
+        """Block until this rank's state is copied to host memory; call before the optimizer changes the weights."""
+        self.pending.staged()
+
     def finish(self) -> dict[str, Any]:
         """Wait for this rank's write, gather all records, write the manifest on rank 0; returns the manifest info.
 
@@ -142,9 +148,12 @@ class ShardedSave:
         return self.info
 
 
-def begin_save(ctx: CheckpointContext, checkpoint: dict[str, Any], folder: Path, async_save: bool) -> ShardedSave:
+def begin_save(ctx: CheckpointContext, checkpoint: dict[str, Any], folder: Path,
+               async_save: Union[bool, AsyncOptions]) -> ShardedSave:
     """Snapshot and start writing ``checkpoint`` (Lightning's dict, with its ``state_dict`` and
-    ``optimizer_states`` replaced by the sharded model/optimizer state) into ``folder``."""
+    ``optimizer_states`` replaced by the sharded model/optimizer state) into ``folder`` (a local folder or an
+    object-store prefix); ``async_save`` may carry the :class:`~.staging.AsyncOptions`."""
+    folder = checkpoint_path(folder)  # a local Path or an object-store prefix (see checkpoint.storage)
     checkpoint.pop("state_dict", None)
     checkpoint.pop("optimizer_states", None)
     checkpoint["hybrid"] = {"data_position": ctx.data_position}
@@ -207,6 +216,7 @@ def load(ctx: CheckpointContext, folder: Path) -> dict[str, Any]:
     """
     from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 
+    folder = checkpoint_path(folder)
     if not (folder / MANIFEST).is_file():
         raise CheckpointError(f"checkpoint {folder} has no {MANIFEST} (incomplete or not a checkpoint)")
     manifest = verify_on_all_ranks(folder, ctx.global_rank, ctx.world_size, ctx.group).manifest

@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any, Iterable, Optional, Union
 
 from lightning_hybrid.checkpoint.manifest import CheckpointError, committed_checkpoints, file_record, read_manifest
+from lightning_hybrid.checkpoint.storage import ObjectPath, checkpoint_path
 
 __all__ = ["verify_checkpoint", "verify_on_all_ranks", "find_resumable", "Verified"]
 
@@ -30,15 +31,17 @@ def verify_checkpoint(folder: Union[str, Path], files: Optional[Iterable[str]] =
     Raises:
         CheckpointError: naming the first missing, truncated or corrupted file.
     """
-    folder = Path(folder)
+    folder = checkpoint_path(folder)
     manifest = read_manifest(folder)
     listed = manifest.get("files", {})
+    # On an object store one listing gives every size (no request per object).
+    stored = folder.sizes() if isinstance(folder, ObjectPath) else None
     for name in (sorted(listed) if files is None else files):
         expected = listed[name]
         path = folder / name
-        if not path.is_file():
+        if (name not in stored) if stored is not None else not path.is_file():
             raise CheckpointError(f"checkpoint {folder}: file {name} is missing")
-        size = path.stat().st_size
+        size = stored[name] if stored is not None else path.stat().st_size
         if size != expected["size"]:
             raise CheckpointError(f"checkpoint {folder}: file {name} has {size} bytes, the manifest says "
                                   f"{expected['size']} (truncated or partial write)")
@@ -82,7 +85,7 @@ def verify_on_all_ranks(folder: Path, rank: int, world: int, group: Any = None, 
         names = sorted(manifest.get("files", {}))
         mine = names[rank::world]
         verify_checkpoint(folder, files=mine, checksums=checksums)
-        checked = sum((folder / name).stat().st_size for name in mine)
+        checked = sum(manifest["files"][name]["size"] for name in mine)  # verified equal to the stored sizes
     except (CheckpointError, OSError) as err:
         error = str(err)
     verdicts: list = [(error, checked)]

@@ -316,10 +316,12 @@ def resume_layout(folder: Optional[Path]) -> Optional[dict[str, Any]]:
     """The layout a checkpoint folder's manifest records (``None`` without one)."""
     import json
 
-    if folder is None or not (Path(folder) / MANIFEST).is_file():
+    from lightning_hybrid.checkpoint.storage import checkpoint_path
+
+    if folder is None or not (checkpoint_path(folder) / MANIFEST).is_file():
         return None
     try:
-        mesh = json.loads((Path(folder) / MANIFEST).read_text()).get("mesh")
+        mesh = json.loads((checkpoint_path(folder) / MANIFEST).read_text()).get("mesh")
     except (OSError, ValueError):
         return None  # the loader's verifier names the damage
     return mesh if isinstance(mesh, dict) and "tp" in mesh else None

@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any, Optional
 
 from lightning_hybrid.checkpoint.manifest import MANIFEST, committed_checkpoints
+from lightning_hybrid.checkpoint.storage import checkpoint_path
 from lightning_hybrid.distributed.parallel_dims import ParallelDims
 from lightning_hybrid.distributed.parallelize import ParallelOptions, check_options
 from lightning_hybrid.planner.auto import (
@@ -69,8 +70,8 @@ def resume_folder(trainer: Any) -> Optional[Path]:
     a FaultTolerantCheckpoint callback with ``auto_resume``.
     """
     path = getattr(trainer, "ckpt_path", None)
-    if path is not None and (Path(path) / MANIFEST).is_file():
-        return Path(path)
+    if path is not None and (checkpoint_path(path) / MANIFEST).is_file():  # a local folder or an s3:// URL
+        return checkpoint_path(path)
     for callback in getattr(trainer, "callbacks", []):
         if getattr(callback, "auto_resume", False) and getattr(callback, "dirpath", None) is not None:
             for found in committed_checkpoints(callback.dirpath):
