@@ -1,10 +1,11 @@
 """The one parallelize sequence, and the parallel options it follows.
 
 A declared model (or one pipeline stage of it) is parallelized in a fixed order, the same as
-torchtitan's: tensor parallelism, then activation recompute and ``torch.compile`` per block, then
-FSDP2 over ``dp``, then materialization from the meta device. :class:`ParallelOptions` holds what
-the user chose (validated on construction, so every rank raises alike before any collective);
-:func:`check_options` checks it against the world and the model at setup, still before any collective.
+torchtitan's: float8 conversion of the block linears, tensor parallelism, then activation recompute and
+``torch.compile`` per block, then FSDP2 over ``dp``, then materialization from the meta device.
+:class:`ParallelOptions` holds what the user chose (validated on construction, so every rank raises alike
+before any collective); :func:`check_options` checks it against the world and the model at setup, still before
+any collective.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from lightning_hybrid.distributed.activation_checkpoint import (
 )
 from lightning_hybrid.distributed.context_parallel import context_parallel_error, install_context_parallel
 from lightning_hybrid.distributed.data_parallel import DATA_PARALLEL_MODES, apply_fsdp
+from lightning_hybrid.distributed.float8 import check_float8, convert_float8, float8_error, float8_tp_plan
 from lightning_hybrid.distributed.materialize import materialize
 from lightning_hybrid.distributed.parallel_dims import ParallelDims, data_mesh
 from lightning_hybrid.distributed.pipeline.schedules import PP_SCHEDULES, default_microbatches, validate_schedule
@@ -132,6 +134,8 @@ class ParallelOptions:
     # Context parallelism (sequence split across cp ranks) and HSDP's shard-group size.
     cp: int = 1
     dp_shard: Optional[int] = None
+    # Float8 training of the block linears through torchao (lightning_hybrid/distributed/float8.py).
+    float8: Optional[str] = None
 
     def __post_init__(self) -> None:
         for name in AUTO_FIELDS:  # "auto" in any case; the planner resolves it at setup
@@ -159,6 +163,7 @@ class ParallelOptions:
         self.compile = bool(self.compile)
         if self.reduce_dtype is not None:
             self.reduce_dtype = choice("reduce_dtype", self.reduce_dtype, REDUCE_DTYPES)
+        self.float8 = check_float8(self.float8)
 
     @property
     def num_microbatches(self) -> int:
@@ -225,6 +230,9 @@ def check_options(options: ParallelOptions, world_size: int, devices_per_node: O
         f"attention's collectives are not traced); use compile=False or cp=1")
     if cp_error:
         raise ValueError(cp_error)
+    float8_problem = float8_error(options.float8, precision, spec, module_name)
+    if float8_problem:
+        raise ValueError(float8_problem)
     if spec is not None and precision not in DECLARED_PRECISIONS:
         raise ValueError(f"precision={precision!r} is not supported for a declared model; "
                          f"use one of {DECLARED_PRECISIONS}")
@@ -266,7 +274,7 @@ def require_meta(model: nn.Module, module_name: str) -> None:
 def parallelize(module: nn.Module, spec: ParallelSpec, options: ParallelOptions, dims: ParallelDims,
                 mesh: "DeviceMesh", device: torch.device, precision: str,
                 convert_module: Callable[[nn.Module], Any], reshard_after_forward: bool = True) -> None:
-    """TP, then recompute/compile, then FSDP2, then materialization, of a meta-device model or pipeline stage.
+    """Float8 conversion, TP, recompute/compile, FSDP2, then materialization, of a meta-device model or pipeline stage.
 
     The parameters are allocated (uninitialized) on ``device``; the caller fills them
     (:func:`lightning_hybrid.distributed.init_weights.init_parameters` or pretrained weights).
@@ -277,11 +285,15 @@ def parallelize(module: nn.Module, spec: ParallelSpec, options: ParallelOptions,
         reshard_after_forward: FSDP2's for the blocks; zero-bubble pipeline schedules need ``False``.
     """
     convert_module(module)
+    if options.float8 is not None:
+        convert_float8(module, spec, options.float8, dims.tp,
+                       fsdp=dims.data_ranks > 1 and options.data_parallel != "replicate")
     if dims.cp > 1:
         cp_mesh = mesh["cp"]
         install_context_parallel(module, spec, cp_mesh.get_group(), dims.cp, cp_mesh.get_local_rank())
     if dims.tp > 1:
-        apply_tensor_parallel(module, spec, mesh["tp"], options.sequence_parallel)
+        apply_tensor_parallel(module, spec, mesh["tp"], options.sequence_parallel,
+                              adjust_plan=lambda plan, block: float8_tp_plan(plan, block, options.float8, mesh["tp"]))
     blocks = getattr(module, spec.blocks, None)
     if blocks is not None and len(blocks) > 0:
         apply_activation_checkpointing(blocks, options.activation_checkpointing, options.selective_ac,

@@ -8,7 +8,7 @@ a reduce-scatter plus an all-gather, which saves activation memory at the same t
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Callable, Optional
 
 from torch import nn
 
@@ -59,8 +59,11 @@ def outer_plan(spec: ParallelSpec, sequence_parallel: bool, present: set[str]) -
 
 
 def apply_tensor_parallel(model: nn.Module, spec: ParallelSpec, tp_mesh: "DeviceMesh",
-                          sequence_parallel: bool = False) -> None:
+                          sequence_parallel: bool = False,
+                          adjust_plan: Optional[Callable[[dict, nn.Module], dict]] = None) -> None:
     """Shard ``model`` (or a pipeline stage of it) over ``tp_mesh`` in place, block by block.
+
+    ``adjust_plan(plan, block)`` may swap a block's styles (float8's TP styles for converted linears).
 
     Raises:
         ValueError: the model ties its embedding and head, which a vocabulary-sharded layout cannot share.
@@ -78,4 +81,4 @@ def apply_tensor_parallel(model: nn.Module, spec: ParallelSpec, tp_mesh: "Device
     blocks = getattr(model, spec.blocks)
     per_block = block_plan(spec, sequence_parallel)
     for block in blocks.values():
-        parallelize_module(block, tp_mesh, per_block)
+        parallelize_module(block, tp_mesh, adjust_plan(per_block, block) if adjust_plan else per_block)
