@@ -177,14 +177,14 @@ def float8_tp_plan(plan: dict, block: nn.Module, recipe: Optional[str], tp_mesh:
     """``plan`` (one block's TP plan) with torchao's float8 styles where torchao has them (``"tensorwise"``), so the
     TP collectives of the block inputs move float8. Layers left in bf16 keep torch's styles.
 
-    Gloo cannot move float8 tensors ("Invalid scalar type"): on a gloo ``tp_mesh`` the sequence-parallel all-gather
-    in front of attention and the MLP stays in bf16 (the same values: the float8 cast after it uses the same
-    full-tensor scale)."""
+    Gloo cannot move float8 tensors ("Invalid scalar type"). With sequence parallelism the float8 styles gather and
+    reduce-scatter float8 activations and gradients, so on a gloo ``tp_mesh`` torch's styles are kept then (the
+    block linears still run float8, with the same full-tensor scales); without it the float8 styles move no float8.
+    """
     if recipe != "tensorwise":
         return plan
     import torch.distributed as dist
-
-    float8_gather = tp_mesh is None or dist.get_backend(tp_mesh.get_group()) != "gloo"
+    from torch.distributed.tensor import Shard
     from torch.distributed.tensor.parallel import ColwiseParallel, PrepareModuleInput, RowwiseParallel
     from torchao.float8.float8_linear import Float8Linear
     from torchao.float8.float8_tensor_parallel import (
@@ -193,6 +193,10 @@ def float8_tp_plan(plan: dict, block: nn.Module, recipe: Optional[str], tp_mesh:
         PrepareFloat8ModuleInput,
     )
 
+    sequence_parallel = any(isinstance(style, PrepareModuleInput) or (
+        isinstance(style, RowwiseParallel) and isinstance(style.output_layouts[0], Shard)) for style in plan.values())
+    if sequence_parallel and tp_mesh is not None and dist.get_backend(tp_mesh.get_group()) == "gloo":
+        return plan
     out: dict = {}
     for name, style in plan.items():
         sub = block.get_submodule(name)
@@ -200,7 +204,7 @@ def float8_tp_plan(plan: dict, block: nn.Module, recipe: Optional[str], tp_mesh:
             cls = Float8ColwiseParallel if isinstance(style, ColwiseParallel) else Float8RowwiseParallel
             out[name] = cls(input_layouts=style.input_layouts[0], output_layouts=style.output_layouts[0],
                             use_local_output=style.use_local_output)
-        elif isinstance(style, PrepareModuleInput) and float8_gather and _all_float8(sub):
+        elif isinstance(style, PrepareModuleInput) and _all_float8(sub):
             # The sequence-parallel all-gather of a norm's output, cast once to float8 for all its consumers.
             out[name] = PrepareFloat8ModuleInput(input_layouts=style.input_layouts,
                                                  desired_input_layouts=style.desired_input_layouts,
