@@ -1,7 +1,7 @@
 #!/bin/bash
-# GPU smoke test, for the day a GPU is available: one command, under 8 minutes on one H200.
+# GPU smoke test, for the day a GPU is available: one command, under 13 minutes on one H200.
 #
-#   bash benchmarks/gpu_smoke.sh                    # all four steps, results under gpu-smoke/
+#   bash benchmarks/gpu_smoke.sh                    # all five steps, results under gpu-smoke/
 #   bash benchmarks/gpu_smoke.sh --only mfu,ckpt    # some of them
 #   bash benchmarks/gpu_smoke.sh --print            # the commands it would run (works without a GPU)
 #
@@ -11,13 +11,15 @@
 #   preflight  `lightning-hybrid preflight` on 1 GPU with the NVML health check (temperatures, ECC, clocks, NVLinks)
 #   ckpt       the tiny recipe with FaultTolerantCheckpoint: 20 steps saving at 10 and 20, then a second run that
 #              resumes from step 20 and trains to 30 (a save and a load of a sharded checkpoint)
+#   float8     benchmarks/float8_smoke.py: the 1.5B preset 50 steps in bf16, then with float8 rowwise (torchao): final
+#              losses within 3%, the step-time ratio printed (not run on hardware yet)
 # It prints one summary table (step, status, seconds, the step's figure) and writes each step's log to OUT/.
 #
 # Options: --out DIR (gpu-smoke), --gpu NAME of the hardware table for the preflight's expected figures (h200),
 # --only STEPS (comma-separated), --print (print the commands, run nothing), -h/--help.
 set -uo pipefail
 
-STEPS_ALL="mfu tiny-nccl preflight ckpt"
+STEPS_ALL="mfu tiny-nccl preflight ckpt float8"
 OUT=gpu-smoke
 GPU=h200
 ONLY=""
@@ -68,9 +70,11 @@ command_of() {  # the command line of one step, one word per line
         ckpt) printf '%s\n' bash -c "set -e; for steps in 20 30; do torchrun --nproc_per_node 1 \
 $(command -v $LH || echo $LH) fit --config $TINY ${ON_GPU[*]} ${CKPT[*]} --trainer.max_steps \$steps; done; \
 ls $OUT/ckpt" ;;
+        float8) printf '%s\n' python "$HERE/benchmarks/float8_smoke.py" --preset qwen2.5-1.5b --float8 rowwise \
+                    --steps 50 ;;
     esac
 }
-LIMITS="mfu=180 tiny-nccl=90 preflight=120 ckpt=150"  # seconds; 540 s in all, typically well under 8 minutes
+LIMITS="mfu=180 tiny-nccl=90 preflight=120 ckpt=150 float8=240"  # seconds; 780 s in all
 
 if [ "$PRINT" = 1 ]; then
     for step in $STEPS; do
@@ -98,6 +102,7 @@ for step in $STEPS; do
         tiny-nccl) FIGURE[$step]=$(grep -oE 'throughput: [0-9,]+ tokens/s' "$OUT/$step.log" | tail -1) ;;
         preflight) FIGURE[$step]=$(grep -oE '"(ok|passed)": *(true|false)' "$OUT/$step.log" | head -1) ;;
         ckpt) FIGURE[$step]=$(grep -oE 'step-[0-9]+' "$OUT/$step.log" | sort -u | tr '\n' ' ') ;;
+        float8) FIGURE[$step]=$(grep -E '^loss relative difference' "$OUT/$step.log") ;;
     esac
 done
 printf '\n| %-10s | %-14s | %7s | %s\n' step status seconds figure

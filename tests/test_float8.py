@@ -62,13 +62,20 @@ class ScaledMMCounter:
 # ----------------------------------------------------------------------------- numerics, one process
 
 
+NUMERICS = {"bf16": (None, "bf16-mixed"), "tensorwise": ("tensorwise", "bf16-mixed"),
+            "rowwise": ("rowwise", "bf16-mixed"),
+            # torchao's MXFP8 linear takes bf16 weights: on one process bf16-true (FSDP2 gathers bf16 under bf16-mixed)
+            "bf16-true": (None, "bf16-true"), "mxfp8": ("mxfp8", "bf16-true")}
+
+
 @pytest.fixture(scope="module")
 def numerics():
-    """30 steps of the tiny model under bf16-mixed: bf16, tensorwise, rowwise (emulated GEMM) and mxfp8 (emulated)."""
+    """30 steps of the tiny model: bf16, tensorwise, rowwise (emulated GEMM), mxfp8 (torchao's emulated MXFP8)."""
     mp = pytest.MonkeyPatch()
     mp.setenv(FLOAT8_EMULATE_ENV, "1")
     try:
-        return {name: fit_one_process(name, 30)[0] for name in (None, "tensorwise", "rowwise", "mxfp8")}
+        return {name: fit_one_process(recipe, 30, precision=precision)[0]
+                for name, (recipe, precision) in NUMERICS.items()}
     finally:
         mp.undo()
 
@@ -76,7 +83,7 @@ def numerics():
 @pytest.mark.timeout(900)
 @pytest.mark.parametrize("recipe", ["tensorwise", "rowwise", "mxfp8"])
 def test_float8_trains_like_bf16(numerics, recipe):
-    bf16, float8 = numerics[None], numerics[recipe]
+    bf16, float8 = numerics["bf16-true" if recipe == "mxfp8" else "bf16"], numerics[recipe]
     assert len(float8) == len(bf16) == 30
     assert bf16[-1] < bf16[0] - 0.3  # the reference really trained
     assert abs(float8[-1] - bf16[-1]) / bf16[-1] <= 0.03, (recipe, float8[-1], bf16[-1])
@@ -249,6 +256,15 @@ def test_float8_needs_bf16_precision():
 def test_float8_with_32_true_fails_before_training():
     with pytest.raises(ValueError, match="precision='32-true'.*use precision='bf16-mixed' or 'bf16-true'"):
         fit_one_process("rowwise", 1, precision="32-true")
+
+
+def test_mxfp8_with_bf16_mixed_needs_fsdp():
+    from lightning_hybrid.distributed.float8 import float8_error
+
+    assert float8_error("mxfp8", "bf16-mixed", object(), "CausalLM", fsdp=True) is None
+    assert float8_error("mxfp8", "bf16-mixed", object(), "CausalLM", fsdp=False) == (
+        "float8='mxfp8' with precision='bf16-mixed' needs FSDP2 over dp>1 (it gathers bf16 weights); without it use "
+        "precision='bf16-true'")
 
 
 def test_torchao_missing_names_the_extra(monkeypatch):

@@ -17,11 +17,12 @@ def _run(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:
                           env={**os.environ, **(env or {})})
 
 
-def test_print_lists_the_four_steps_with_their_settings() -> None:
+def test_print_lists_the_five_steps_with_their_settings() -> None:
     result = _run("--print", "--gpu", "h100")
     assert result.returncode == 0, result.stderr
     lines = dict(line.split(": ", 1) for line in result.stdout.splitlines())
-    assert list(lines) == ["mfu", "tiny-nccl", "preflight", "ckpt"]
+    assert list(lines) == ["mfu", "tiny-nccl", "preflight", "ckpt", "float8"]
+    assert "float8_smoke.py --preset qwen2.5-1.5b --float8 rowwise --steps 50" in lines["float8"]
     assert "--preset qwen2.5-1.5b" in lines["mfu"] and "--seq-len 4096" in lines["mfu"] and "--dtype bf16" in lines[
         "mfu"]
     assert "--nproc_per_node 1" in lines["tiny-nccl"] and "process_group_backend nccl" in lines["tiny-nccl"]
@@ -33,7 +34,8 @@ def test_only_selects_steps_and_refuses_unknown_ones() -> None:
     result = _run("--print", "--only", "ckpt,mfu")
     assert [line.split(":")[0] for line in result.stdout.splitlines()] == ["mfu", "ckpt"]
     bad = _run("--only", "mfu,bogus")
-    assert bad.returncode == 2 and "unknown step 'bogus'" in bad.stderr and "mfu,tiny-nccl,preflight,ckpt" in bad.stderr
+    assert bad.returncode == 2 and "unknown step 'bogus'" in bad.stderr
+    assert "mfu,tiny-nccl,preflight,ckpt,float8" in bad.stderr
 
 
 @pytest.mark.parametrize("args", [["--frobnicate"], ["--out"], ["--gpu"]])

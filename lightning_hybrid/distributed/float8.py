@@ -68,8 +68,10 @@ def _torchao_missing() -> bool:
 
 
 def float8_error(float8: Optional[str], precision: str, spec: Optional[ParallelSpec],
-                 module_name: str) -> Optional[str]:
-    """What is wrong with ``float8`` for this precision and module (one line), or ``None``; needs no collective."""
+                 module_name: str, fsdp: bool = True) -> Optional[str]:
+    """What is wrong with ``float8`` for this precision and module (one line), or ``None``; needs no collective.
+
+    ``fsdp``: FSDP2 shards the weights over dp > 1 (under ``bf16-mixed`` it gathers them in bf16)."""
     if float8 is None:
         return None
     if precision not in FLOAT8_PRECISIONS:
@@ -80,6 +82,10 @@ def float8_error(float8: Optional[str], precision: str, spec: Optional[ParallelS
                 f"does not (convert its linears with torchao in its own configure_model)")
     if _torchao_missing():
         return f"float8={float8!r} needs torchao, which is not installed: {FLOAT8_EXTRA}"
+    if float8 == "mxfp8" and precision == "bf16-mixed" and not fsdp:
+        # torchao's MXFP8 linear takes bf16 weights; only FSDP2's bf16 gather gives them under bf16-mixed
+        return ("float8='mxfp8' with precision='bf16-mixed' needs FSDP2 over dp>1 (it gathers bf16 weights); "
+                "without it use precision='bf16-true'")
     return None
 
 

@@ -230,9 +230,6 @@ def check_options(options: ParallelOptions, world_size: int, devices_per_node: O
         f"attention's collectives are not traced); use compile=False or cp=1")
     if cp_error:
         raise ValueError(cp_error)
-    float8_problem = float8_error(options.float8, precision, spec, module_name)
-    if float8_problem:
-        raise ValueError(float8_problem)
     if spec is not None and precision not in DECLARED_PRECISIONS:
         raise ValueError(f"precision={precision!r} is not supported for a declared model; "
                          f"use one of {DECLARED_PRECISIONS}")
@@ -247,6 +244,10 @@ def check_options(options: ParallelOptions, world_size: int, devices_per_node: O
             f"{torch.__version__} (measured in lightning-hybrid's equivalence tests); with tp>1 use compile=True "
             f"only without sequence_parallel and recompute, or compile=False"
         )
+    float8_problem = float8_error(options.float8, precision, spec, module_name,
+                                  fsdp=dims.data_ranks > 1 and options.data_parallel != "replicate")
+    if float8_problem:
+        raise ValueError(float8_problem)
     if spec is not None and num_blocks is not None:
         dims.check_model(spec.tp_divisible, num_blocks, options.virtual_stages)
     elif options.pp > 1:
