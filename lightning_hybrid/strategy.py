@@ -26,11 +26,7 @@ from lightning_hybrid.distributed.clip_grad import use_global_norm_clipping
 from lightning_hybrid.distributed.context_parallel import shard_batch
 from lightning_hybrid.distributed.data_parallel import all_reducing
 from lightning_hybrid.distributed.elastic import init_round_process_group
-from lightning_hybrid.distributed.float8 import (
-    float8_device_error,
-    precompute_float8_scales,
-    uses_fsdp_float8_all_gather,
-)
+from lightning_hybrid.distributed.float8 import check_float8_device, precompute_float8_scales
 from lightning_hybrid.distributed.heartbeat import HANG_TIMEOUT, attach_hang_detector, check_hang_timeout
 from lightning_hybrid.distributed.init_weights import initialize_declared, move_buffers
 from lightning_hybrid.distributed.parallel_dims import ParallelDims, build_mesh, checkpoint_groups, lightning_mesh
@@ -81,9 +77,7 @@ class HybridParallelStrategy(ModelParallelStrategy):
         data_parallel_size: Lightning's name of ``dp``; ``"auto"``: the number of nodes.
         tensor_parallel_size: Lightning's name of ``tp``; ``"auto"``: the devices per node.
         cp: context-parallel size (sequences split, ring attention); ``dp_shard``: HSDP's shard group (``"hsdp"``).
-        float8: ``None``, ``"tensorwise"``, ``"rowwise"`` or ``"mxfp8"``: float8 matmuls in the block linears through
-            torchao (``pip install 'lightning-hybrid[float8]'``; see :mod:`~.distributed.float8`); needs
-            ``precision="bf16-mixed"`` or ``"bf16-true"``. Checkpoints stay in the master dtype.
+        float8: ``None``, ``"tensorwise"``, ``"rowwise"`` or ``"mxfp8"``: float8 block linears (:mod:`~.float8`).
 
     Raises:
         ValueError: an argument has an unknown value (on construction, on every rank), or the sizes do not
@@ -141,7 +135,6 @@ class HybridParallelStrategy(ModelParallelStrategy):
         self.bubble_report: Optional[dict[str, Any]] = None
         self.step_guard = StepGuard()
         self.auto_plan: Optional[Any] = None  # the planner's decision when an option is "auto"
-        self._fsdp_float8 = False  # tensorwise float8 weights all-gathered by FSDP2: scales after each step
 
     @property
     def dims(self) -> ParallelDims:
@@ -172,9 +165,7 @@ class HybridParallelStrategy(ModelParallelStrategy):
         module = self.lightning_module
         spec_fn = getattr(module, "parallel_spec", None)
         self._spec = spec_fn() if callable(spec_fn) else None
-        float8_problem = float8_device_error(self.options.float8, self.root_device)
-        if float8_problem:
-            raise ValueError(float8_problem)
+        check_float8_device(self.options.float8, self.root_device)
         if auto_fields(self.options):  # planned in setup_environment, once the process group exists
             return check_strategy_request(self)
         self._dims = check_options(self.options, self.num_nodes * self.num_processes,
@@ -239,8 +230,6 @@ class HybridParallelStrategy(ModelParallelStrategy):
             self.lightning_module.model = self.pipeline.container
         else:
             parallelize(model, self._spec, *args, *rest)
-        self._fsdp_float8 = self.options.float8 == "tensorwise" and uses_fsdp_float8_all_gather(
-            self.lightning_module.model)
         initialize_declared(self.lightning_module, self.lightning_module.model, model, seed)
 
     @override
@@ -269,7 +258,7 @@ class HybridParallelStrategy(ModelParallelStrategy):
                                    self.dims.data_ranks, self.options.reduction_dtype(self._precision))
         with self.step_guard.guarding(optimizer):
             result = super().optimizer_step(optimizer, closure, model, **kwargs)
-        if self._fsdp_float8:  # the float8 scales of the updated FSDP2 shards, one all-reduce for all
+        if self.options.float8 == "tensorwise":  # the float8 scales of the updated FSDP2 shards, one all-reduce
             precompute_float8_scales(self.lightning_module.model)
         if self.pipeline is not None:
             # Gradients of the next step accumulate from zero inside the schedule (Lightning's own zero_grad

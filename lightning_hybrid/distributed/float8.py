@@ -27,8 +27,8 @@ from torch import nn
 from lightning_hybrid.models.spec import ParallelSpec
 
 __all__ = ["FLOAT8_RECIPES", "FLOAT8_EXTRA", "FLOAT8_EMULATE_ENV", "check_float8", "float8_error",
-           "float8_device_error", "convert_float8", "float8_skipped", "float8_tp_plan", "precompute_float8_scales",
-           "uses_fsdp_float8_all_gather"]
+           "float8_device_error", "check_float8_device", "convert_float8", "float8_skipped", "float8_tp_plan",
+           "precompute_float8_scales", "uses_fsdp_float8_all_gather"]
 
 log = logging.getLogger(__name__)
 
@@ -106,6 +106,13 @@ def float8_device_error(float8: Optional[str], device: torch.device) -> Optional
     return None
 
 
+def check_float8_device(float8: Optional[str], device: torch.device) -> None:
+    """Raise ``ValueError`` with :func:`float8_device_error`'s line when this device cannot run ``float8``."""
+    problem = float8_device_error(float8, device)
+    if problem:
+        raise ValueError(problem)
+
+
 def float8_skipped(module: nn.Module, spec: ParallelSpec, recipe: str, tp: int) -> dict[str, str]:
     """Block linears of ``module`` that ``recipe`` cannot take: name -> why (a dimension of the tensor-parallel shard
     that is not a multiple of 16, or 32 for MXFP8)."""
@@ -173,9 +180,12 @@ def uses_fsdp_float8_all_gather(model: nn.Module) -> bool:
 
 def precompute_float8_scales(model: nn.Module) -> None:
     """After an optimizer step: the float8 scales of all FSDP2-sharded tensorwise weights at once (one all-reduce of
-    their amaxes over the shard group), instead of one reduction per weight in the next forward."""
+    their amaxes over the shard group), instead of one reduction per weight in the next forward. Nothing without
+    FSDP2's float8 all-gather."""
     from torchao.float8 import precompute_float8_dynamic_scale_for_fsdp
 
+    if not uses_fsdp_float8_all_gather(model):
+        return
     precompute_float8_dynamic_scale_for_fsdp(model)
 
 
