@@ -1,5 +1,5 @@
 #!/bin/bash
-# GPU smoke test, for the day a GPU is available: one command, under 8 minutes on one H200.
+# GPU smoke test, for the day a GPU is available: one command, under 13 minutes on one H200.
 #
 #   bash benchmarks/gpu_smoke.sh                    # all steps, results under gpu-smoke/
 #   bash benchmarks/gpu_smoke.sh --only mfu,ckpt    # some of them
@@ -19,13 +19,15 @@
 #   async-tp   benchmarks/runtime.py --async-tp on 2 GPUs: qwen2.5-0.5b at tp=2 with sequence parallel, compile and
 #              bf16-mixed, async_tp off then on: losses equal within bf16 tolerance, step-time ratio on/off printed
 #              (needs 2 GPUs; never run on hardware yet)
+#   float8     benchmarks/float8_smoke.py: the 1.5B preset 50 steps in bf16, then with float8 rowwise (torchao): final
+#              losses within 3%, the step-time ratio printed (not run on hardware yet)
 # It prints one summary table (step, status, seconds, the step's figure) and writes each step's log to OUT/.
 #
 # Options: --out DIR (gpu-smoke), --gpu NAME of the hardware table for the preflight's expected figures (h200),
 # --only STEPS (comma-separated), --print (print the commands, run nothing), -h/--help.
 set -uo pipefail
 
-STEPS_ALL="mfu tiny-nccl preflight ckpt gpu-health docmask async-tp"
+STEPS_ALL="mfu tiny-nccl preflight ckpt gpu-health docmask async-tp float8"
 OUT=gpu-smoke
 GPU=h200
 ONLY=""
@@ -83,9 +85,11 @@ $(command -v $LH || echo $LH) fit --config $TINY ${ON_GPU[*]} ${MONITOR[*]} --tr
         docmask) printf '%s\n' python "$HERE/benchmarks/document_mask.py" --device cuda --seq-len 4096 ;;
         async-tp) printf '%s\n' torchrun --nproc_per_node 2 "$HERE/benchmarks/runtime.py" --async-tp --steps 10 \
                       --warmup 3 ;;
+        float8) printf '%s\n' python "$HERE/benchmarks/float8_smoke.py" --preset qwen2.5-1.5b --float8 rowwise \
+                    --steps 50 ;;
     esac
 }
-LIMITS="mfu=180 tiny-nccl=90 preflight=120 ckpt=150 gpu-health=90 docmask=90 async-tp=300"  # seconds; 1020 s in all
+LIMITS="mfu=180 tiny-nccl=90 preflight=120 ckpt=150 gpu-health=90 docmask=90 async-tp=300 float8=240"  # seconds; 1260 s in all
 
 if [ "$PRINT" = 1 ]; then
     for step in $STEPS; do
@@ -117,6 +121,7 @@ for step in $STEPS; do
                         "$OUT/$step.log" | tr '\n' ' ') ;;
         docmask) FIGURE[$step]=$(grep -E '^\| cuda' "$OUT/$step.log" | tail -1) ;;
         async-tp) FIGURE[$step]=$(grep -E '^async_tp (step time|loss agreement)' "$OUT/$step.log" | tr '\n' ' ') ;;
+        float8) FIGURE[$step]=$(grep -E '^loss relative difference' "$OUT/$step.log") ;;
     esac
 done
 printf '\n| %-10s | %-14s | %7s | %s\n' step status seconds figure

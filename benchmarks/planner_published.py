@@ -244,6 +244,100 @@ size are not stated, and 1F1B without virtual stages would put their bubble at 1
 measured, so they ran interleaved with an unknown v)."""
 
 
+TORCHTITAN_FLOAT8 = ("torchtitan's float8 is torchao's dynamic tensorwise recipe in 2024-12 (the only one then; FSDP2 "
+                     "float8 all-gather and precomputed scales as its float8.md recommends), tensorwise or rowwise as "
+                     "the 2025-06 table names it; the block linears are converted, the head is not (torchtitan's "
+                     "filter_fqns default ['output'])")
+
+
+def _float8(run: PublishedRun, recipe: str, tokens: float, table: str) -> PublishedRun:
+    """``run``'s layout with float8 block linears (``recipe``), as another row of the same source states it."""
+    return dataclasses.replace(
+        run, name=f"{run.name} + float8 {recipe}", runtime=dataclasses.replace(run.runtime, float8=recipe),
+        source=f"{run.source.split(', table')[0]}, {table}", assumed=f"{run.assumed}; {TORCHTITAN_FLOAT8}",
+        stated=f"{run.stated.split('; bf16')[0].split('; bfloat16')[0]}; float8 {recipe}: {tokens} tokens/s per GPU",
+        published_tokens_per_gpu=tokens, published_tflops=None, published_mfu=None)
+
+
+FLOAT8_RUNS: tuple[PublishedRun, ...] = (
+    _float8(_torchtitan_fsdp(8, True, 6667, ""), "tensorwise", 8532, "table 1 (FSDP + torch.compile + Float8)"),
+    _float8(_torchtitan_fsdp(128, True, 6514, ""), "tensorwise", 8380, "table 3 (FSDP + torch.compile + Float8)"),
+    dataclasses.replace(_float8(_torchtitan_tp("70B", 256, 16, "full", False, 597.3), "tensorwise", 829,
+                                "table 4 (2D + torch.compile + Float8)"), source=f"{TORCHTITAN_2412}, table 4"),
+    dataclasses.replace(_float8(_torchtitan_tp("70B", 256, 16, "full", True, 652.4), "tensorwise", 876,
+                                "table 4 (2D + AsyncTP + torch.compile + Float8)"),
+                        source=f"{TORCHTITAN_2412}, table 4"),
+    _float8(_torchtitan_tp("70B", 256, 16, "full", False, 597.3), "tensorwise", 809.8, "float8 tensorwise, vanilla TP"),
+    _float8(_torchtitan_tp("70B", 256, 16, "full", True, 652.4), "tensorwise", 942.4, "float8 tensorwise, async TP"),
+    _float8(_torchtitan_tp("8B", 64, 12, "selective", False, 4378), "tensorwise", 5078.1,
+            "float8 tensorwise, vanilla TP"),
+    _float8(_torchtitan_tp("8B", 64, 12, "selective", True, 4809.4), "tensorwise", 5570.1,
+            "float8 tensorwise, async TP"),
+    _float8(_torchtitan_tp("70B", 256, 16, "full", False, 597.3), "rowwise", 599.6, "float8 rowwise, vanilla TP"),
+    _float8(_torchtitan_tp("70B", 256, 16, "full", True, 652.4), "rowwise", 624.8, "float8 rowwise, async TP"),
+    _float8(_torchtitan_tp("8B", 64, 12, "selective", False, 4378), "rowwise", 3708.5, "float8 rowwise, vanilla TP"),
+    _float8(_torchtitan_tp("8B", 64, 12, "selective", True, 4809.4), "rowwise", 3914.9, "float8 rowwise, async TP"),
+)
+"""torchtitan's published float8 rows (H100), each the layout of a bf16 row above with float8 block linears; they fit
+``FLOAT8_GEMM_EFFICIENCY`` per recipe. torchtitan notes its vanilla-TP rowwise rows as slow (pytorch/torchtitan#1207).
+Not used: Llama 3.1 405B float8 (table 5: PP8 with local batch 32, the micro-batch count is not stated) and the CP rows
+(table 2/6); Megatron-Bridge's FP8 rows (not looked up here: their layouts and versions were not read)."""
+
+MXFP8_B200 = ("pytorch/torchtitan torchtitan/components/quantization/mxfp8.md 'Dense Models' (torchao "
+              "0.13.0+gite4e681be, torch 2.9.0.dev20250815): 8 power-limited B200, batch 1, seq 8192, torch.compile, "
+              "FSDP2, per-op SAC: bf16 8307.5 tokens/s, mxfp8_cublas 9969.0 (+20.0%), float8 tensorwise 10417.0 "
+              "(+25.4%)")
+MXFP8_SPEEDUP = 9969.0 / 8307.5
+"""MXFP8's published speedup over bf16 on B200: the power limit is not stated, so ``mxfp8`` is fitted on the ratio of
+predicted step times (model assumed Llama 3.1 8B, torchtitan's default), not on absolute throughput."""
+
+
+def mxfp8_row() -> PublishedRun:
+    base = _torchtitan_fsdp(8, True, 8307.5, "")
+    return dataclasses.replace(base, name="torchtitan Llama 3.1 8B, 8 B200, FSDP8 + compile", gpu=GPUS["b200"],
+                               micro_batch_size=1, global_batch=8, source=MXFP8_B200, published_tokens_per_gpu=8307.5)
+
+
+def float8_table(runs: tuple[PublishedRun, ...] = FLOAT8_RUNS, efficiency: Optional[dict] = None) -> list[dict]:
+    """:func:`table` of the float8 rows, each recipe at ``efficiency[recipe]`` (default: the planner's constants)."""
+    rows = []
+    for run in runs:
+        model = TimeModel(float8_efficiency=(efficiency or {}).get(run.runtime.float8))
+        e = predict(run, time_model=model)
+        tokens = e.tokens_per_second / run.gpus
+        rows.append({"name": run.name, "pending": "",
+                     "published_tflops": run.tokens_per_gpu * run.flops_per_token / 1e12, "published_mfu": run.mfu,
+                     "published_tokens_per_gpu": run.tokens_per_gpu, "predicted_tokens_per_gpu": tokens,
+                     "predicted_tflops": tokens * run.flops_per_token / 1e12,
+                     "predicted_mfu": tokens * run.flops_per_token / H100_SXM_PEAK, "error": error(run, e)})
+    return rows
+
+
+def fit_float8(recipe: str, runs: tuple[PublishedRun, ...] = FLOAT8_RUNS) -> float:
+    """The float8 GEMM efficiency of ``recipe`` that minimizes the squared log errors of its rows (golden section);
+    ``mxfp8``: the one whose predicted speedup over bf16 on B200 is the published one."""
+    if recipe == "mxfp8":
+        base = mxfp8_row()
+        bf16 = predict(base).time["step"]
+        mx = dataclasses.replace(base, runtime=dataclasses.replace(base.runtime, float8="mxfp8"))
+
+        def loss(eff: float) -> float:
+            return math.log(bf16 / predict(mx, time_model=TimeModel(float8_efficiency=eff)).time["step"]
+                            / MXFP8_SPEEDUP) ** 2
+    else:
+        chosen = tuple(r for r in runs if r.runtime.float8 == recipe)
+
+        def loss(eff: float) -> float:
+            return sum(math.log1p(error(r, predict(r, time_model=TimeModel(float8_efficiency=eff)))) ** 2
+                       for r in chosen)
+    lo, hi = 0.05, 1.0
+    golden = (math.sqrt(5) - 1) / 2
+    while hi - lo > 1e-4:
+        a, b = hi - golden * (hi - lo), lo + golden * (hi - lo)
+        lo, hi = (lo, b) if loss(a) < loss(b) else (a, hi)
+    return (lo + hi) / 2
+
+
 def predict(run: PublishedRun, hw_efficiency: Optional[float] = None,
             time_model: Optional[TimeModel] = None) -> Estimate:
     """The planner's estimate for the run's exact layout (constants overridable for fitting)."""
@@ -373,8 +467,16 @@ def main(argv: Optional[list[str]] = None) -> int:
             print(f"  {name[:60]:<60} {err:>+7.1%}")
         errors = [abs(e) for _, e in loo]
         print(f"  median |error| {statistics.median(errors):.1%}, largest {max(errors):.1%}")
+    f8 = float8_table()
+    print("\nfloat8 rows (block GEMMs at the fp8 peak x FLOAT8_GEMM_EFFICIENCY; MFU against the bf16 peak):")
+    print(format_table(f8))
+    s8 = summary(f8)
+    print(f"{s8['rows']} float8 rows: median |error| {s8['median_abs_error']:.1%}, largest {s8['max_abs_error']:.1%}")
+    if args.fit:
+        print("float8 efficiency fitted per recipe: " + ", ".join(
+            f"{r}={fit_float8(r):.3f}" for r in ("tensorwise", "rowwise", "mxfp8")))
     if args.sources:
-        for run in RUNS:
+        for run in RUNS + FLOAT8_RUNS:
             print(f"\n{run.name}\n  source: {run.source}\n  stated: {run.stated}\n  assumed: {run.assumed}")
     return 0
 

@@ -25,6 +25,7 @@ from lightning_hybrid.distributed.clip_grad import use_global_norm_clipping
 from lightning_hybrid.distributed.context_parallel import shard_batch
 from lightning_hybrid.distributed.data_parallel import all_reducing
 from lightning_hybrid.distributed.elastic import init_round_process_group
+from lightning_hybrid.distributed.float8 import check_float8_device, precompute_float8_scales
 from lightning_hybrid.distributed.heartbeat import HANG_TIMEOUT, attach_hang_detector, check_hang_timeout
 from lightning_hybrid.distributed.init_weights import initialize_declared, move_buffers
 from lightning_hybrid.distributed.parallel_dims import ParallelDims, build_mesh, checkpoint_groups, lightning_mesh
@@ -83,6 +84,7 @@ class HybridParallelStrategy(ModelParallelStrategy):
         tensor_parallel_size: Lightning's name of ``tp``; ``"auto"``: the devices per node.
         cp: context-parallel size (sequences split, ring attention); ``dp_shard``: HSDP's shard group (``"hsdp"``).
         loss_parallel, bf16_compute_weights, fsdp_reshard_after_forward, async_tp: see docs/performance.md.
+        float8: ``None``, ``"tensorwise"``, ``"rowwise"`` or ``"mxfp8"``: float8 block linears (:mod:`~.float8`).
 
     Raises:
         ValueError: an argument has an unknown value (on construction, on every rank), or the sizes do not
@@ -115,6 +117,7 @@ class HybridParallelStrategy(ModelParallelStrategy):
         tensor_parallel_size: Optional[Union[int, Literal["auto"]]] = None,
         cp: int = 1, dp_shard: Optional[int] = None, loss_parallel: bool = True, async_tp: bool = False,
         bf16_compute_weights: bool = True, fsdp_reshard_after_forward: Union[bool, Literal["auto"]] = "auto",
+        float8: Optional[str] = None,
     ) -> None:
         super().__init__(data_parallel_size="auto", tensor_parallel_size="auto",
                          save_distributed_checkpoint=save_distributed_checkpoint,
@@ -167,6 +170,7 @@ class HybridParallelStrategy(ModelParallelStrategy):
         spec_fn = getattr(module, "parallel_spec", None)
         self._spec = spec_fn() if callable(spec_fn) else None
         check_async_tp(self.options, self.root_device.type, self._get_process_group_backend())
+        check_float8_device(self.options.float8, self.root_device)
         if auto_fields(self.options):  # planned in setup_environment, once the process group exists
             return check_strategy_request(self)
         self._dims = check_options(self.options, self.num_nodes * self.num_processes,
@@ -261,6 +265,8 @@ class HybridParallelStrategy(ModelParallelStrategy):
                                    self.dims.data_ranks, self.options.reduction_dtype(self._precision))
         with self.step_guard.guarding(optimizer):
             result = super().optimizer_step(optimizer, closure, model, **kwargs)
+        if self.options.float8 == "tensorwise":  # the float8 scales of the updated FSDP2 shards, one all-reduce
+            precompute_float8_scales(self.lightning_module.model)
         if self.pipeline is not None:
             # Gradients of the next step accumulate from zero inside the schedule (Lightning's own zero_grad
             # runs after training_step, which is too late for a pipeline; CausalLM skips it).

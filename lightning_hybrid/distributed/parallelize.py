@@ -1,10 +1,11 @@
 """The one parallelize sequence, and the parallel options it follows.
 
 A declared model (or one pipeline stage of it) is parallelized in a fixed order, the same as
-torchtitan's: tensor parallelism, then activation recompute and ``torch.compile`` per block, then
-FSDP2 over ``dp``, then materialization from the meta device. :class:`ParallelOptions` holds what
-the user chose (validated on construction, so every rank raises alike before any collective);
-:func:`check_options` checks it against the world and the model at setup, still before any collective.
+torchtitan's: float8 conversion of the block linears, tensor parallelism, then activation recompute and
+``torch.compile`` per block, then FSDP2 over ``dp``, then materialization from the meta device.
+:class:`ParallelOptions` holds what the user chose (validated on construction, so every rank raises alike
+before any collective); :func:`check_options` checks it against the world and the model at setup, still before
+any collective.
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ from lightning_hybrid.distributed.data_parallel import (
     reshard_after_forward,
     without_autocast,
 )
+from lightning_hybrid.distributed.float8 import check_float8, convert_float8, float8_error, float8_tp_plan
 from lightning_hybrid.distributed.materialize import materialize
 from lightning_hybrid.distributed.parallel_dims import ParallelDims, data_mesh
 from lightning_hybrid.distributed.pipeline.schedules import (
@@ -158,6 +160,8 @@ class ParallelOptions:
     bf16_compute_weights: bool = True
     fsdp_reshard_after_forward: Union[bool, str] = AUTO
     async_tp: bool = False
+    # Float8 training of the block linears through torchao (lightning_hybrid/distributed/float8.py).
+    float8: Optional[str] = None
 
     def __post_init__(self) -> None:
         for name in AUTO_FIELDS:  # "auto" in any case; the planner resolves it at setup
@@ -193,6 +197,7 @@ class ParallelOptions:
                                    tp=self.tp if isinstance(self.tp, int) else None)
             if error:
                 raise ValueError(error)
+        self.float8 = check_float8(self.float8)
 
     @property
     def num_microbatches(self) -> int:
@@ -273,6 +278,10 @@ def check_options(options: ParallelOptions, world_size: int, devices_per_node: O
             f"{torch.__version__} (measured in lightning-hybrid's equivalence tests); with tp>1 use compile=True "
             f"only without sequence_parallel and recompute, or compile=False"
         )
+    float8_problem = float8_error(options.float8, precision, spec, module_name,
+                                  fsdp=dims.data_ranks > 1 and options.data_parallel != "replicate")
+    if float8_problem:
+        raise ValueError(float8_problem)
     if spec is not None and num_blocks is not None:
         dims.check_model(spec.tp_divisible, num_blocks, options.virtual_stages)
     elif options.pp > 1:
@@ -343,7 +352,7 @@ def loss_function(loss_sum: Callable, options: ParallelOptions, dims: ParallelDi
 def parallelize(module: nn.Module, spec: ParallelSpec, options: ParallelOptions, dims: ParallelDims,
                 mesh: "DeviceMesh", device: torch.device, precision: str,
                 convert_module: Callable[[nn.Module], Any]) -> None:
-    """TP, then recompute/compile, then FSDP2, then materialization, of a meta-device model or pipeline stage.
+    """Float8 conversion, TP, recompute/compile, FSDP2, then materialization, of a meta-device model or pipeline stage.
 
     The parameters are allocated (uninitialized) on ``device``; the caller fills them
     (:func:`lightning_hybrid.distributed.init_weights.init_parameters` or pretrained weights).
@@ -358,12 +367,16 @@ def parallelize(module: nn.Module, spec: ParallelSpec, options: ParallelOptions,
     module holds the head) becomes :func:`~.tensor_parallel.vocab_parallel_loss`.
     """
     convert_module(module)
+    if options.float8 is not None:
+        convert_float8(module, spec, options.float8, dims.tp,
+                       fsdp=dims.data_ranks > 1 and options.data_parallel != "replicate")
     if dims.cp > 1:
         cp_mesh = mesh["cp"]
         install_context_parallel(module, spec, cp_mesh.get_group(), dims.cp, cp_mesh.get_local_rank())
     if dims.tp > 1:
         loss_parallel = options.loss_parallel and getattr(module, spec.head, None) is not None
-        apply_tensor_parallel(module, spec, mesh["tp"], options.sequence_parallel, loss_parallel)
+        apply_tensor_parallel(module, spec, mesh["tp"], options.sequence_parallel, loss_parallel,
+                              adjust_plan=lambda plan, block: float8_tp_plan(plan, block, options.float8, mesh["tp"]))
         if loss_parallel and callable(getattr(module, "loss_sum", None)):
             module.loss_sum = loss_function(module.loss_sum, options, dims, mesh)
         if options.async_tp:

@@ -74,11 +74,13 @@ def outer_plan(spec: ParallelSpec, sequence_parallel: bool, present: set[str], l
 
 
 def apply_tensor_parallel(model: nn.Module, spec: ParallelSpec, tp_mesh: "DeviceMesh",
-                          sequence_parallel: bool = False, loss_parallel: bool = False) -> None:
+                          sequence_parallel: bool = False, loss_parallel: bool = False,
+                          adjust_plan: Optional[Callable[[dict, nn.Module], dict]] = None) -> None:
     """Shard ``model`` (or a pipeline stage of it) over ``tp_mesh`` in place, block by block.
 
     With ``loss_parallel`` the head outputs vocabulary-sharded logits; the loss must then go through
     :func:`vocab_parallel_loss` (and its backward run inside :func:`loss_parallel_context`).
+    ``adjust_plan(plan, block)`` may swap a block's styles (float8's TP styles for converted linears).
 
     Raises:
         ValueError: the model ties its embedding and head, which a vocabulary-sharded layout cannot share.
@@ -96,7 +98,8 @@ def apply_tensor_parallel(model: nn.Module, spec: ParallelSpec, tp_mesh: "Device
     blocks = getattr(model, spec.blocks)
     per_block = block_plan(spec, sequence_parallel)
     for block in blocks.values():
-        parallelize_module(block, tp_mesh, per_block)
+        parallelize_module(block, tp_mesh, adjust_plan(per_block, block) if adjust_plan else per_block)
+
 
 
 def _loss_ops_enabled() -> bool:

@@ -19,7 +19,7 @@ from lightning_hybrid.planner.interval import (
 )
 from lightning_hybrid.planner.memory import OPTIMIZERS, PRECISIONS
 from lightning_hybrid.planner.search import Estimate, Layout, Problem, explain, search
-from lightning_hybrid.planner.step_time import GEMM_PEAK_EFFICIENCY, Hardware
+from lightning_hybrid.planner.step_time import GEMM_PEAK_EFFICIENCY, Hardware, Runtime
 
 __all__ = ["build_parser", "build_problem", "run_plan", "assumptions", "explain_time", "format_table"]
 
@@ -42,6 +42,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help=f"sequences per optimizer step (default: {DEFAULT_BATCH_TOKENS} tokens / seq-len)")
     p.add_argument("--precision", default="bf16-mixed", choices=sorted(PRECISIONS),
                    help="Lightning precision (bf16-mixed: fp32 weights, gradients and AdamW states)")
+    p.add_argument("--float8", choices=("tensorwise", "rowwise", "mxfp8"), default=None,
+                   help="float8 block linears (HybridParallelStrategy(float8=...)); MFU stays against the bf16 peak")
     p.add_argument("--optimizer", default="adamw", choices=sorted(OPTIMIZERS), help="optimizer (adamw)")
     p.add_argument("--gpu-memory-gb", type=float, help="GPU memory in GB (overrides the GPU type)")
     p.add_argument("--peak-tflops", type=float, help="dense bf16 peak TFLOP/s per GPU (overrides the GPU type)")
@@ -93,7 +95,8 @@ def build_problem(args: argparse.Namespace) -> Problem:
     if getattr(args, "calibrate", None):
         hw = calibrate_hardware(hw, load_preflight(args.calibrate))
     batch = args.global_batch or max(1, DEFAULT_BATCH_TOKENS // args.seq_len)
-    return Problem(config, hw, args.seq_len, batch, args.precision, args.optimizer)
+    runtime = Runtime(float8=getattr(args, "float8", None))
+    return Problem(config, hw, args.seq_len, batch, args.precision, args.optimizer, runtime=runtime)
 
 
 def assumptions(p: Problem) -> list[str]:
@@ -274,6 +277,10 @@ def _print_report(p: Problem, top: int, feasible: list[Estimate], infeasible: li
     print(f"plan: {p.config.name} ({p.config.num_parameters() / 1e9:.2f}B parameters), {p.hw.gpus} x {p.hw.gpu.name} "
           f"({p.hw.gpus_per_node} per node), seq {p.seq_len}, global batch {p.global_batch}, {p.precision}, "
           f"{p.optimizer}")
+    if p.runtime.float8:
+        print(f"float8={p.runtime.float8}: block GEMMs at the fp8 peak ({p.hw.gpu.peak.fp8 / 1e12:.0f} TFLOP/s); MFU "
+              f"is quoted against the bf16 peak ({p.hw.peak_flops(p.precision) / 1e12:.0f} TFLOP/s), as torchtitan "
+              f"and Megatron quote it")
     if feasible:
         print(f"\n{len(feasible)} layouts fit; the fastest {min(top, len(feasible))} "
               "(memory in GB on the fullest rank, time in s per optimizer step):")

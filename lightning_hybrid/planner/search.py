@@ -36,6 +36,7 @@ from lightning_hybrid.planner.memory import (
 from lightning_hybrid.planner.step_time import (
     AUTOCAST_WEIGHT_CAST_BYTES,
     ELEMENTWISE_BACKWARD,
+    FLOAT8_GEMM_EFFICIENCY,
     SELECTIVE_POLICIES,
     Hardware,
     Runtime,
@@ -350,9 +351,16 @@ def _tp_seconds(problem: Problem, layout: Layout, kind: str, nbytes: float) -> f
     return seconds * (problem.time_model.tp_overlap_exposed if problem.runtime.tp_overlap else 1.0)
 
 
-def _gemm_seconds(problem: Problem, tokens: int, k: int, n: int) -> float:
-    """Forward and backward of a ``tokens x k`` by ``k x n`` matmul: ``6 tokens k n`` FLOPs at its efficiency."""
-    hw = problem.hw
+def _gemm_seconds(problem: Problem, tokens: int, k: int, n: int, float8: bool = False) -> float:
+    """Forward and backward of a ``tokens x k`` by ``k x n`` matmul: ``6 tokens k n`` FLOPs at its efficiency (a
+    float8 block GEMM at the fp8 peak and the recipe's efficiency)."""
+    hw, recipe = problem.hw, problem.runtime.float8
+    if float8 and recipe is not None:
+        peak = problem.time_model.float8_efficiency or FLOAT8_GEMM_EFFICIENCY[recipe]
+        if hw.gpu.peak.fp8 is None:
+            raise ValueError(f"GPU {hw.gpu.name} lists no fp8 peak; plan it without float8")
+        efficiency = gemm_efficiency(peak, problem.time_model.gemm_knee, tokens, k, n)
+        return 6 * tokens * k * n / (hw.gpu.peak.fp8 * efficiency)
     efficiency = gemm_efficiency(hw.compute_efficiency, problem.time_model.gemm_knee, tokens, k, n)
     return 6 * tokens * k * n / (hw.peak_flops(problem.precision) * efficiency)
 
@@ -365,7 +373,7 @@ def _block_work(problem: Problem, layout: Layout, tokens: int) -> _Work:
     """One block on one TP rank for a micro-batch of ``tokens`` (see :mod:`~lightning_hybrid.planner.step_time`)."""
     c, rt = problem.config, problem.runtime
     shapes = block_gemms(c, layout.tp)
-    gemms = {name: _gemm_seconds(problem, tokens, k, n) for name, (k, n) in shapes.items()}
+    gemms = {name: _gemm_seconds(problem, tokens, k, n, float8=True) for name, (k, n) in shapes.items()}
     attention_flops = 12 * tokens * c.num_attention_heads * c.head_dim / layout.tp * problem.seq_len
     attention = attention_flops / (problem.hw.peak_flops(problem.precision) * problem.time_model.attention_efficiency)
     a, r = _activation_bytes(problem)

@@ -49,7 +49,7 @@ from lightning_hybrid.models.qwen2.config import Qwen2Config
 
 __all__ = ["Hardware", "Runtime", "TimeModel", "SELECTIVE_POLICIES", "collective_seconds", "gemm_efficiency",
            "block_gemms", "elementwise_bytes", "GEMM_PEAK_EFFICIENCY", "GEMM_KNEE", "TP_OVERLAP_EXPOSED",
-           "ATTENTION_EFFICIENCY", "HBM_EFFICIENCY", "ELEMENTWISE_BACKWARD"]
+           "ATTENTION_EFFICIENCY", "HBM_EFFICIENCY", "ELEMENTWISE_BACKWARD", "FLOAT8_GEMM_EFFICIENCY"]
 
 # ----------------------------------------------------------------------------- constants
 # Fitted on the published runs of benchmarks/planner_published.py (least squares on log MFU; the leave-one-out
@@ -74,6 +74,11 @@ HBM_EFFICIENCY = 0.8
 ELEMENTWISE_BACKWARD = 2.0
 """Backward of an elementwise op moves about twice its forward's bytes: it reads the output gradient and the saved
 inputs and writes the input gradients (unary: 3 tensors vs 2; binary: 5 vs 3), plus the residual gradient adds."""
+FLOAT8_GEMM_EFFICIENCY = {"tensorwise": 0.422, "rowwise": 0.254, "mxfp8": 0.430}
+"""Fraction of the dense fp8 peak a large float8 block GEMM sustains in training, dynamic casts and scales included
+(fitted per recipe on torchtitan's H100 float8 rows in ``benchmarks/planner_published.py``; mxfp8 on its published
+B200 speedup over bf16, 1.20x, in torchtitan's mxfp8.md). The head and attention stay at the bf16 peak. Rowwise is
+low: torchtitan's rowwise rows ran no faster than bf16 (pytorch/torchtitan#1207)."""
 AUTOCAST_WEIGHT_CAST_BYTES = 6
 """Autocast casts each fp32 matmul weight to bf16 once per forward (reads 4 bytes, writes 2)."""
 
@@ -118,6 +123,8 @@ class Runtime:
         loss_parallel: the cross-entropy runs on vocabulary shards (torchtitan, Megatron); this project gathers
             the logits and computes the loss on the full vocabulary on every TP rank.
         selective: the selective recompute policy, a key of :data:`SELECTIVE_POLICIES`.
+        float8: ``None`` or the float8 recipe of the block linears (``"tensorwise"``, ``"rowwise"``, ``"mxfp8"``):
+            their GEMMs run at the fp8 peak times :data:`FLOAT8_GEMM_EFFICIENCY`.
     """
 
     fused_elementwise: bool = False
@@ -126,6 +133,7 @@ class Runtime:
     dp_overlap: bool = False
     loss_parallel: bool = False
     selective: str = "op"
+    float8: Optional[str] = None
 
 
 @dataclass(frozen=True)
@@ -136,6 +144,7 @@ class TimeModel:
     tp_overlap_exposed: float = TP_OVERLAP_EXPOSED
     attention_efficiency: float = ATTENTION_EFFICIENCY
     hbm_efficiency: float = HBM_EFFICIENCY
+    float8_efficiency: Optional[float] = None  # None: FLOAT8_GEMM_EFFICIENCY of the runtime's recipe
 
 
 def gemm_efficiency(peak_efficiency: float, knee: float, m: int, k: int, n: int) -> float:

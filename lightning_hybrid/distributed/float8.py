@@ -1,0 +1,238 @@
+"""Float8 training through torchao: which linears are converted, the float8 TP styles, FSDP2's float8 all-gather.
+
+``float8="tensorwise"`` and ``"rowwise"`` swap the declared block linears (the keys of the model's TP plan: q/k/v/o,
+gate/up/down for Qwen2) for torchao's ``Float8Linear``; ``"mxfp8"`` swaps their weights for torchao's MXFP8 training
+tensor (``MXFP8TrainingOpConfig``: real kernels on compute capability 10.x, torchao's emulated path on CPU). The
+embedding and the head stay in the compute dtype (the head's logits feed the loss, the least robust place for
+float8). The parameters keep their names, shapes and master dtype, so checkpoints of a float8 run load into a bf16
+run and back, and ``export-hf`` is unchanged.
+
+Order (:func:`~lightning_hybrid.distributed.parallelize.parallelize`): conversion on the meta device, then TP (with
+torchao's float8 styles under ``"tensorwise"``: the TP all-gathers move float8), then recompute/compile, then FSDP2
+(under ``"tensorwise"`` weights are all-gathered in float8; :func:`precompute_float8_scales` computes their scales
+after each optimizer step, one all-reduce of the amaxes over the shard group). Scales are computed on the full
+tensors whatever the mesh: torchao's amax of a sharded DTensor is reduced over the shards.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from dataclasses import replace
+from typing import Any, Optional
+
+import torch
+from torch import nn
+
+from lightning_hybrid.models.spec import ParallelSpec
+
+__all__ = ["FLOAT8_RECIPES", "FLOAT8_EXTRA", "FLOAT8_EMULATE_ENV", "check_float8", "float8_error",
+           "float8_device_error", "check_float8_device", "convert_float8", "float8_skipped", "float8_tp_plan",
+           "precompute_float8_scales", "uses_fsdp_float8_all_gather"]
+
+log = logging.getLogger(__name__)
+
+FLOAT8_RECIPES = ("tensorwise", "rowwise", "mxfp8")
+FLOAT8_EXTRA = "pip install 'lightning-hybrid[float8]'"
+FLOAT8_PRECISIONS = ("bf16-mixed", "bf16-true")
+# torch._scaled_mm (cuBLAS/CUTLASS) takes float8 matrices whose inner and output dimensions are multiples of 16;
+# MXFP8 scales blocks of 32 elements along the inner dimension.
+_DIVISOR = {"tensorwise": 16, "rowwise": 16, "mxfp8": 32}
+_LOGGED: set[tuple[str, ...]] = set()
+FLOAT8_EMULATE_ENV = "LIGHTNING_HYBRID_FLOAT8_EMULATE"
+"""Set to ``1``: tensorwise/rowwise matmuls run torchao's emulated GEMM (the same float8 casts and scales, the product
+of the dequantized operands in bf16) instead of ``torch._scaled_mm``. For long CPU tests only: torch's CPU
+``_scaled_mm`` is a reference kernel (0.25 s for a 128x64x176 product, 4,000x a bf16 matmul) whose results the
+emulation matches to bf16 rounding (tests/test_float8.py checks it)."""
+
+
+def check_float8(value: Any) -> Optional[str]:
+    """``value`` lower-cased when it is ``None`` or a recipe of :data:`FLOAT8_RECIPES`.
+
+    Raises:
+        ValueError: one line naming the value and the recipes.
+    """
+    if value is None:
+        return None
+    if not isinstance(value, str) or value.lower() not in FLOAT8_RECIPES:
+        raise ValueError(f"float8={value!r} is not supported; use None or one of {', '.join(FLOAT8_RECIPES)}")
+    return value.lower()
+
+
+def _torchao_missing() -> bool:
+    try:
+        import torchao.float8  # noqa: F401
+    except ImportError:
+        return True
+    return False
+
+
+def float8_error(float8: Optional[str], precision: str, spec: Optional[ParallelSpec],
+                 module_name: str, fsdp: bool = True) -> Optional[str]:
+    """What is wrong with ``float8`` for this precision and module (one line), or ``None``; needs no collective.
+
+    ``fsdp``: FSDP2 shards the weights over dp > 1 (under ``bf16-mixed`` it gathers them in bf16)."""
+    if float8 is None:
+        return None
+    if precision not in FLOAT8_PRECISIONS:
+        return (f"float8={float8!r} with precision={precision!r} is not supported: float8 matmuls take bf16 "
+                f"activations; use precision='bf16-mixed' or 'bf16-true'")
+    if spec is None:
+        return (f"float8={float8!r} needs a LightningModule that declares its blocks (parallel_spec()); {module_name} "
+                f"does not (convert its linears with torchao in its own configure_model)")
+    if _torchao_missing():
+        return f"float8={float8!r} needs torchao, which is not installed: {FLOAT8_EXTRA}"
+    if float8 == "mxfp8" and precision == "bf16-mixed" and not fsdp:
+        # torchao's MXFP8 linear takes bf16 weights; only FSDP2's bf16 gather gives them under bf16-mixed
+        return ("float8='mxfp8' with precision='bf16-mixed' needs FSDP2 over dp>1 (it gathers bf16 weights); "
+                "without it use precision='bf16-true'")
+    return None
+
+
+def float8_device_error(float8: Optional[str], device: torch.device) -> Optional[str]:
+    """Why this device cannot run ``float8`` (one line), or ``None``; needs no collective.
+
+    Float8 matmuls need compute capability 8.9 (Ada, Hopper); MXFP8 needs 10.x (Blackwell). On CPU torch's
+    ``_scaled_mm`` runs tensorwise and rowwise float8, and torchao emulates MXFP8.
+    """
+    if float8 is None or device.type != "cuda" or not torch.cuda.is_available():
+        return None
+    capability = torch.cuda.get_device_capability(device)
+    name = torch.cuda.get_device_name(device)
+    need = (10, 0) if float8 == "mxfp8" else (8, 9)
+    if capability < need:
+        return (f"float8={float8!r} needs a GPU of compute capability {need[0]}.{need[1]} or newer; {name} has "
+                f"{capability[0]}.{capability[1]} (use float8='rowwise' on Hopper/Ada, or float8=None)")
+    return None
+
+
+def check_float8_device(float8: Optional[str], device: torch.device) -> None:
+    """Raise ``ValueError`` with :func:`float8_device_error`'s line when this device cannot run ``float8``."""
+    problem = float8_device_error(float8, device)
+    if problem:
+        raise ValueError(problem)
+
+
+def float8_skipped(module: nn.Module, spec: ParallelSpec, recipe: str, tp: int) -> dict[str, str]:
+    """Block linears of ``module`` that ``recipe`` cannot take: name -> why (a dimension of the tensor-parallel shard
+    that is not a multiple of 16, or 32 for MXFP8)."""
+    divisor = _DIVISOR[recipe]
+    skipped = {}
+    blocks = getattr(module, spec.blocks, None) or {}
+    for index, block in blocks.items():
+        for name, style in spec.block_plan.items():
+            linear = block.get_submodule(name)
+            # The sharded dimension is divided over tp: colwise splits the output, rowwise the input.
+            out_f = linear.out_features // (tp if style == "colwise" else 1)
+            in_f = linear.in_features // (tp if style == "rowwise" else 1)
+            if out_f % divisor or in_f % divisor or (linear.out_features % tp) or (linear.in_features % tp):
+                skipped[f"{spec.blocks}.{index}.{name}"] = (f"{in_f}x{out_f} per rank is not a multiple of "
+                                                            f"{divisor}")
+    return skipped
+
+
+def convert_float8(module: nn.Module, spec: ParallelSpec, recipe: str, tp: int, fsdp: bool) -> list[str]:
+    """Convert ``module``'s block linears (the keys of ``spec.block_plan``) in place for float8 training.
+
+    Runs before TP and FSDP2, on the meta device. Linears of a shape ``recipe`` cannot take are skipped and
+    logged once. Returns the names of the converted linears.
+
+    Args:
+        tp: the tensor-parallel size (each rank's shard must still fit the float8 kernels).
+        fsdp: FSDP2 shards the weights; under ``"tensorwise"`` they are then all-gathered in float8.
+    """
+    skipped = float8_skipped(module, spec, recipe, tp)
+    blocks = getattr(module, spec.blocks, None) or {}
+    targets = [f"{spec.blocks}.{i}.{name}" for i in blocks for name in spec.block_plan]
+    chosen = [name for name in targets if name not in skipped]
+    if skipped and tuple(skipped) not in _LOGGED:
+        _LOGGED.add(tuple(skipped))
+        log.warning("float8=%r: %d linear(s) stay in bf16 (shape): %s", recipe, len(skipped),
+                    "; ".join(f"{k}: {v}" for k, v in skipped.items()))
+    wanted = set(chosen)
+    if recipe == "mxfp8":
+        from torchao.prototype.moe_training.config import MXFP8TrainingOpConfig, MXFP8TrainingRecipe
+        from torchao.quantization import quantize_
+
+        # torchao's kernels need compute capability 10.x; elsewhere its emulated (dequantizing) path.
+        name = "MXFP8_RCEIL" if torch.cuda.is_available() else "MXFP8_EMULATED_RCEIL"
+        config = MXFP8TrainingOpConfig.from_recipe(getattr(MXFP8TrainingRecipe, name))
+        quantize_(module, config, filter_fn=lambda mod, fqn: fqn in wanted and isinstance(mod, nn.Linear),
+                  device=None)
+        return chosen
+    from torchao.float8 import Float8LinearConfig, convert_to_float8_training
+
+    config = Float8LinearConfig.from_recipe_name(recipe)
+    if recipe == "tensorwise" and fsdp:
+        config = replace(config, enable_fsdp_float8_all_gather=True)
+    if os.environ.get(FLOAT8_EMULATE_ENV) == "1":
+        config = replace(config, emulate=True)
+    convert_to_float8_training(module, config=config, module_filter_fn=lambda mod, fqn: fqn in wanted)
+    return chosen
+
+
+def uses_fsdp_float8_all_gather(model: nn.Module) -> bool:
+    """Whether any linear of ``model`` all-gathers its weight in float8 (tensorwise with FSDP2)."""
+    from torchao.float8.float8_linear import Float8Linear
+
+    return any(isinstance(m, Float8Linear) and m.config.enable_fsdp_float8_all_gather for m in model.modules())
+
+
+def precompute_float8_scales(model: nn.Module) -> None:
+    """After an optimizer step: the float8 scales of all FSDP2-sharded tensorwise weights at once (one all-reduce of
+    their amaxes over the shard group), instead of one reduction per weight in the next forward. Nothing without
+    FSDP2's float8 all-gather."""
+    from torchao.float8 import precompute_float8_dynamic_scale_for_fsdp
+
+    if not uses_fsdp_float8_all_gather(model):
+        return
+    precompute_float8_dynamic_scale_for_fsdp(model)
+
+
+def float8_tp_plan(plan: dict, block: nn.Module, recipe: Optional[str], tp_mesh: Any = None) -> dict:
+    """``plan`` (one block's TP plan) with torchao's float8 styles where torchao has them (``"tensorwise"``), so the
+    TP collectives of the block inputs move float8. Layers left in bf16 keep torch's styles.
+
+    Gloo cannot move float8 tensors ("Invalid scalar type"). With sequence parallelism the float8 styles gather and
+    reduce-scatter float8 activations and gradients, so on a gloo ``tp_mesh`` torch's styles are kept then (the
+    block linears still run float8, with the same full-tensor scales); without it the float8 styles move no float8.
+    """
+    if recipe != "tensorwise":
+        return plan
+    import torch.distributed as dist
+    from torch.distributed.tensor import Shard
+    from torch.distributed.tensor.parallel import ColwiseParallel, PrepareModuleInput, RowwiseParallel
+    from torchao.float8.float8_linear import Float8Linear
+    from torchao.float8.float8_tensor_parallel import (
+        Float8ColwiseParallel,
+        Float8RowwiseParallel,
+        PrepareFloat8ModuleInput,
+    )
+
+    sequence_parallel = any(isinstance(style, PrepareModuleInput) or (
+        isinstance(style, RowwiseParallel) and isinstance(style.output_layouts[0], Shard)) for style in plan.values())
+    if sequence_parallel and tp_mesh is not None and dist.get_backend(tp_mesh.get_group()) == "gloo":
+        return plan
+    out: dict = {}
+    for name, style in plan.items():
+        sub = block.get_submodule(name)
+        if isinstance(style, (ColwiseParallel, RowwiseParallel)) and isinstance(sub, Float8Linear):
+            cls = Float8ColwiseParallel if isinstance(style, ColwiseParallel) else Float8RowwiseParallel
+            out[name] = cls(input_layouts=style.input_layouts[0], output_layouts=style.output_layouts[0],
+                            use_local_output=style.use_local_output)
+        elif isinstance(style, PrepareModuleInput) and _all_float8(sub):
+            # The sequence-parallel all-gather of a norm's output, cast once to float8 for all its consumers.
+            out[name] = PrepareFloat8ModuleInput(input_layouts=style.input_layouts,
+                                                 desired_input_layouts=style.desired_input_layouts,
+                                                 use_local_output=style.use_local_output)
+        else:
+            out[name] = style
+    return out
+
+
+def _all_float8(module: nn.Module) -> bool:
+    from torchao.float8.float8_linear import Float8Linear
+
+    linears = [m for m in module.modules() if isinstance(m, nn.Linear)]
+    return bool(linears) and all(isinstance(m, Float8Linear) for m in linears)
+
