@@ -81,6 +81,8 @@ class HybridParallelStrategy(ModelParallelStrategy):
             see :mod:`~.distributed.fault_tolerance`); the group comes from ``REPLICA_GROUP_ID``,
             ``NUM_REPLICA_GROUPS`` and ``TORCHFT_LIGHTHOUSE``. ``None``: off.
         min_replica_groups: with torchft, the fewest replica groups a step may commit with.
+        ft_timeout: with torchft, seconds a cross-group all-reduce, commit or healing transfer may take before the
+            step is discarded (a dead group is dropped at the next quorum); the quorum itself waits ``timeout``.
 
     Raises:
         ValueError: an argument has an unknown value (on construction, on every rank), or the sizes do not
@@ -114,6 +116,7 @@ class HybridParallelStrategy(ModelParallelStrategy):
         cp: int = 1, dp_shard: Optional[int] = None,
         fault_tolerance: Optional[str] = None,
         min_replica_groups: int = 1,
+        ft_timeout: float = 60.0,
     ) -> None:
         super().__init__(data_parallel_size="auto", tensor_parallel_size="auto",
                          save_distributed_checkpoint=save_distributed_checkpoint,
@@ -126,6 +129,7 @@ class HybridParallelStrategy(ModelParallelStrategy):
             data_parallel_size=data_parallel_size, tensor_parallel_size=tensor_parallel_size, cp=cp, dp_shard=dp_shard)
         self.preflight = bool(preflight)
         self.replica_group_env = check_fault_tolerance(fault_tolerance, min_replica_groups)
+        self.ft_timeout = float(ft_timeout)
         self.replica_groups: Optional[ReplicaGroups] = None
         self.replica_group_history: list[dict[str, Any]] = []  # per step: quorum size, committed (after teardown)
         self.healed_from_peer = False
@@ -256,7 +260,8 @@ class HybridParallelStrategy(ModelParallelStrategy):
             self.pipeline.cross_group = self._average_over_groups
         joining = True
         self.replica_groups = ReplicaGroups(self.replica_group_env, self.global_rank, self.world_size,
-                                            self._get_process_group_backend(), self._timeout, state, load)
+                                            self._get_process_group_backend(), self._timeout, state, load,
+                                            collective_timeout=self.ft_timeout)
         self.replica_groups.start_step()  # the first step's quorum
         joining = False
 

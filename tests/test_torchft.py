@@ -3,7 +3,6 @@ its own torchrun launch of gloo processes, real SIGKILLs."""
 
 from __future__ import annotations
 
-import os
 import socket
 import subprocess
 import sys
@@ -129,3 +128,66 @@ def test_the_groups_hold_bitwise_equal_shards_without_a_fault(no_fault):
     for rank in (0, 1):
         a, b = groups[f"0_{rank}"]["local"], groups[f"1_{rank}"]["local"]
         assert all(torch.equal(a[k], b[k]) for k in a)
+
+
+# ---------------------------------------------------------------- bad input (one process, no launch)
+
+from lightning_hybrid.distributed.fault_tolerance import check_fault_tolerance  # noqa: E402
+
+GOOD_ENV = {"REPLICA_GROUP_ID": "1", "NUM_REPLICA_GROUPS": "2", "TORCHFT_LIGHTHOUSE": "http://127.0.0.1:29510"}
+
+
+def test_the_replica_group_comes_from_torchfts_environment():
+    env = check_fault_tolerance("torchft", 2, GOOD_ENV)
+    assert (env.group_id, env.num_groups, env.lighthouse, env.min_replica_groups) == (1, 2, GOOD_ENV[
+        "TORCHFT_LIGHTHOUSE"], 2)
+    assert check_fault_tolerance(None, 1, {}) is None
+
+
+def test_torchft_without_its_environment_names_the_missing_variables():
+    with pytest.raises(ValueError, match=r"needs NUM_REPLICA_GROUPS, TORCHFT_LIGHTHOUSE in the environment"):
+        check_fault_tolerance("torchft", 1, {"REPLICA_GROUP_ID": "0"})
+
+
+@pytest.mark.parametrize("env, match", [
+    ({**GOOD_ENV, "REPLICA_GROUP_ID": "2"}, r"REPLICA_GROUP_ID=2 with NUM_REPLICA_GROUPS=2: .* in 0\.\.1"),
+    ({**GOOD_ENV, "REPLICA_GROUP_ID": "one"}, r"REPLICA_GROUP_ID='one' is not an integer"),
+])
+def test_an_inconsistent_replica_group_environment_is_one_line(env, match):
+    with pytest.raises(ValueError, match=match) as err:
+        check_fault_tolerance("torchft", 1, env)
+    assert "\n" not in str(err.value)
+
+
+def test_more_min_replica_groups_than_groups_is_refused():
+    with pytest.raises(ValueError, match=r"min_replica_groups=3 is larger than NUM_REPLICA_GROUPS=2; use 1\.\.2"):
+        check_fault_tolerance("torchft", 3, GOOD_ENV)
+
+
+def test_an_unknown_fault_tolerance_is_refused():
+    with pytest.raises(ValueError, match=r"fault_tolerance='torchelastic' is not known; use None or 'torchft'"):
+        check_fault_tolerance("torchelastic", 1, GOOD_ENV)
+
+
+def test_torchft_missing_names_the_extra(monkeypatch):
+    monkeypatch.setitem(sys.modules, "torchft", None)  # `import torchft` now raises ImportError
+    with pytest.raises(ImportError, match=r"pip install 'lightning-hybrid\[ft\]'"):
+        check_fault_tolerance("torchft", 1, GOOD_ENV)
+
+
+def test_the_strategy_refuses_torchft_without_environment_on_construction(monkeypatch):
+    from lightning_hybrid import HybridParallelStrategy
+
+    for name in GOOD_ENV:
+        monkeypatch.delenv(name, raising=False)
+    with pytest.raises(ValueError, match="REPLICA_GROUP_ID, NUM_REPLICA_GROUPS, TORCHFT_LIGHTHOUSE"):
+        HybridParallelStrategy(tp=2, fault_tolerance="torchft")
+
+
+def test_the_cli_reports_a_bad_lighthouse_request_in_one_line():
+    result = subprocess.run([sys.executable, "-m", "lightning_hybrid.cli", "lighthouse", "--min-replicas", "0"],
+                            capture_output=True, text=True, timeout=300)
+    assert result.returncode == 2, result.stderr
+    assert result.stderr.strip().splitlines()[-1].endswith(
+        "--min-replicas 0 must be a positive integer (replica groups a quorum needs)")
+    assert "Traceback" not in result.stderr

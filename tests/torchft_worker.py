@@ -2,8 +2,9 @@
 
 Environment: OUT (results folder), STEPS, TP, PP, DP_SHARD (data_parallel="hsdp" reference: 4 processes, no torchft),
 REFERENCE (1: train as one launch without torchft), KILL_AT (group KILL_GROUP's rank 0 SIGKILLs every process of
-its group after that step, first attempt only), STEP_SLEEP (seconds each step of group 0 waits after its end, so a
-killed group can come back while the other still trains), plus torchft's REPLICA_GROUP_ID, NUM_REPLICA_GROUPS and
+its group in the middle of the first step from there on that both groups are in, first attempt only; while
+degraded, group 0 then waits for the killed group's restart and pauses STEP_SLEEP seconds per step, so that it
+rejoins while the other still trains), plus torchft's REPLICA_GROUP_ID, NUM_REPLICA_GROUPS and
 TORCHFT_LIGHTHOUSE. Each rank writes ``<OUT>/<group>_<rank>.pt``: per step its pid, loss and the manager's history,
 and at the end its local weight shards (compared bitwise across groups) and the group's full weights.
 """
@@ -43,17 +44,27 @@ class Record(L.Callback):
         self.steps.append({"step": trainer.global_step, "pid": os.getpid(), "time": time.time(),
                            "loss": float(trainer.callback_metrics["train_loss"]),
                            "restart": int(env("TORCHELASTIC_RESTART_COUNT", "0")), **last})
-        kill_at = int(env("KILL_AT", "0"))
-        if (kill_at and trainer.global_step == kill_at and self.group == env("KILL_GROUP", "1")
-                and env("TORCHELASTIC_RESTART_COUNT", "0") == "0"):
+        if self.group == "0" and env("KILL_AT") and last.get("participants", 2) < 2:
+            # Degraded: give the killed group time to come back before this one ends (its restart takes 15-60 s
+            # here); then a short pause per step until the group is back in the quorum.
+            deadline = time.monotonic() + 240
+            while not Path(env("OUT"), "restarted").exists() and time.monotonic() < deadline:
+                time.sleep(0.2)
+            time.sleep(float(env("STEP_SLEEP", "1")))
+
+    def on_before_backward(self, trainer, pl_module, loss) -> None:
+        # Killed in the middle of a step, after the quorum with both groups formed and the loss's token count was
+        # averaged across them: the survivors' gradient all-reduce meets a dead peer and torchft discards the step.
+        kill_at, groups = int(env("KILL_AT", "0")), trainer.strategy.replica_groups
+        if (kill_at and trainer.global_step + 1 >= kill_at and self.group == env("KILL_GROUP", "1")
+                and env("TORCHELASTIC_RESTART_COUNT", "0") == "0" and groups.participants() == 2):
             pids = gather_objects(os.getpid())
             if trainer.global_rank == 0:  # the whole group dies at once, as when its node is lost
+                Path(env("OUT"), "killed_at").write_text(str(time.time()))
                 for pid in pids[1:]:
                     os.kill(pid, signal.SIGKILL)
                 os.kill(os.getpid(), signal.SIGKILL)
             time.sleep(60)
-        if self.group == "0" and float(env("STEP_SLEEP", "0")):
-            time.sleep(float(env("STEP_SLEEP")))
 
 
 def main() -> None:
@@ -72,6 +83,12 @@ def main() -> None:
     kwargs = {**make_trainer_kwargs()["trainer"], "max_steps": steps, "val_check_interval": None,
               "limit_val_batches": 0}
     record = Record()
+    if env("TORCHELASTIC_RESTART_COUNT", "0") != "0" and env("RANK") == "0":
+        Path(out, "restarted").write_text(str(time.time()))
+    elif not reference:  # a first start: every group gets here before any joins a quorum (the machine is slow)
+        Path(out, f"ready_{env('REPLICA_GROUP_ID')}_{env('RANK')}").write_text("")
+        while len(list(Path(out).glob("ready_*"))) < world * int(env("NUM_REPLICA_GROUPS")):
+            time.sleep(0.1)
     trainer = L.Trainer(strategy=strategy, devices=world, callbacks=[record], **kwargs)
     module = CausalLM(tiny_config(), **make_trainer_kwargs()["module"])
     train, _ = make_dataset(GLOBAL_BATCH // data_ranks)

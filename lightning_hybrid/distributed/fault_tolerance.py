@@ -119,6 +119,27 @@ def _weights_only_transport(timeout: timedelta) -> Any:
     return WeightsOnlyHTTPTransport(timeout=timeout, num_chunks=0)
 
 
+def _round_store(group_rank: int) -> tuple[Any, str, int]:
+    """A key-value store new to this launch round, hosted by the group's rank 0 (address broadcast to the group).
+
+    torchft's manager publishes its address under fixed keys; torchrun's own store outlives a restart of the workers,
+    so a restarted group would read the dead round's address there and fail to connect.
+    """
+    import socket
+
+    import torch.distributed as dist
+    from torch.distributed import TCPStore
+
+    store = None
+    where: list[Any] = [None]
+    if group_rank == 0:
+        store = TCPStore("0.0.0.0", 0, is_master=True, wait_for_workers=False)
+        where = [(socket.gethostname(), store.port)]
+    dist.broadcast_object_list(where, src=0)
+    host, port = where[0]
+    return store, host, port
+
+
 def _local(tensor: Tensor) -> Tensor:
     from torch.distributed.tensor import DTensor
 
@@ -132,26 +153,29 @@ class ReplicaGroups:
         env: the replica group (from :func:`check_fault_tolerance`).
         group_rank: this process's rank inside its replica group; ``group_world_size`` the group's size.
         backend: the process-group backend (``"gloo"`` or ``"nccl"``) for the cross-group all-reduce.
-        timeout: of the cross-group collectives, the commit and the healing transfer.
+        timeout: how long a quorum may wait for its members.
         state: returns this rank's state for a healing peer (tensors, numbers and strings only).
         load: applies a peer's state on this rank.
     """
 
     def __init__(self, env: ReplicaGroupEnv, group_rank: int, group_world_size: int, backend: str,
                  timeout: timedelta, state: Callable[[], dict[str, Any]],
-                 load: Callable[[dict[str, Any]], None]) -> None:
+                 load: Callable[[dict[str, Any]], None], collective_timeout: float = 60.0) -> None:
+        """``collective_timeout``: seconds for a cross-group all-reduce, the commit and the healing transfer."""
         from torchft import Manager, ProcessGroupGloo, ProcessGroupNCCL
 
         self.env = env
-        pg = ProcessGroupNCCL(timeout=timeout) if backend == "nccl" else ProcessGroupGloo(timeout=timeout)
+        short = timedelta(seconds=collective_timeout)
+        self._store, store_addr, store_port = _round_store(group_rank)
+        pg = ProcessGroupNCCL(timeout=short) if backend == "nccl" else ProcessGroupGloo(timeout=short)
         self._load = load
         self.healed_at: Optional[int] = None  # the peer's committed step count when this rank healed
         self.manager = Manager(
             pg=pg, load_state_dict=self._apply, state_dict=state, min_replica_size=env.min_replica_groups,
             use_async_quorum=False,  # heal before the step, so the rejoining group takes part in it
-            timeout=timeout, quorum_timeout=timeout, connect_timeout=timeout, rank=group_rank,
-            world_size=group_world_size, lighthouse_addr=env.lighthouse,
-            replica_id=f"replica_group_{env.group_id}", checkpoint_transport=_weights_only_transport(timeout))
+            timeout=short, quorum_timeout=timeout, connect_timeout=short, rank=group_rank,
+            world_size=group_world_size, lighthouse_addr=env.lighthouse, store_addr=store_addr, store_port=store_port,
+            replica_id=f"replica_group_{env.group_id}", checkpoint_transport=_weights_only_transport(short))
         self.in_step = False
         self.history: list[dict[str, Any]] = []  # per step: participants and whether it was committed
 
