@@ -41,7 +41,12 @@ class Record(L.Callback):
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
         groups = trainer.strategy.replica_groups
         last = groups.history[-1] if groups is not None and groups.history else {}
-        self.steps.append({"step": trainer.global_step, "pid": os.getpid(), "time": time.time(),
+        weights = sum(float((p._local_tensor if hasattr(p, "_local_tensor") else p).double().sum())
+                      for p in pl_module.model.parameters())
+        optimizer = trainer.optimizers[0]
+        adam_steps = sorted({float(s["step"]) for s in optimizer.state.values() if "step" in s})
+        self.steps.append({"step": trainer.global_step, "pid": os.getpid(), "time": time.time(), "weights": weights,
+                           "lr": optimizer.param_groups[0]["lr"], "adam_steps": adam_steps,
                            "loss": float(trainer.callback_metrics["train_loss"]),
                            "restart": int(env("TORCHELASTIC_RESTART_COUNT", "0")), **last})
         if self.group == "0" and env("KILL_AT") and last.get("participants", 2) < 2:
