@@ -231,8 +231,13 @@ class ReplicaGroups:
 def local_state(model: "nn.Module", optimizers: list[torch.optim.Optimizer]) -> dict[str, Any]:
     """This rank's shards of the weights and optimizer state, keyed by parameter name (same layout on a peer)."""
     names = {param: name for name, param in model.named_parameters()}
-    state: dict[str, Any] = {"model": {name: _local(p).detach() for p, name in names.items()}, "optimizers": []}
+    state: dict[str, Any] = {"model": {name: _local(p).detach() for p, name in names.items()}, "optimizers": [],
+                             "param_groups": []}
     for optimizer in optimizers:
+        # The hyper-parameters too: an LR schedule writes the learning rate into the groups at its step, and a
+        # loaded scheduler does not rewrite them until its next step.
+        state["param_groups"].append([{k: v for k, v in group.items() if k != "params"}
+                                      for group in optimizer.param_groups])
         entries = {}
         for group in optimizer.param_groups:
             for param in group["params"]:
@@ -256,6 +261,9 @@ def load_local_state(model: "nn.Module", optimizers: list[torch.optim.Optimizer]
     with torch.no_grad():
         for name, param in params.items():
             _local(param).copy_(state["model"][name])
+        for optimizer, groups in zip(optimizers, state["param_groups"]):
+            for group, values in zip(optimizer.param_groups, groups):
+                group.update(values)
         for optimizer, entries in zip(optimizers, state["optimizers"]):
             for name, values in entries.items():
                 param = params[name]
