@@ -3,86 +3,20 @@ its own torchrun launch of gloo processes, real SIGKILLs."""
 
 from __future__ import annotations
 
-import socket
+import math
 import subprocess
 import sys
-import time
-from pathlib import Path
 
 import pytest
 import torch
 
-from helpers.launch import TESTS, free_port, kill_process_group, worker_env
+from helpers.launch import TESTS, worker_env
+from helpers.torchft_groups import run_groups
 from lightning_hybrid.launch.torchrun import launcher_command
 
 pytest.importorskip("torchft")
 
 STEPS = 8
-
-
-class Lighthouse:
-    """``lightning-hybrid lighthouse`` as a subprocess on a free port."""
-
-    def __init__(self, min_replicas: int, join_timeout_ms: int) -> None:
-        self.port = free_port()
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "lightning_hybrid.launch.lighthouse", "--min-replicas", str(min_replicas),
-             "--port", str(self.port), "--join-timeout-ms", str(join_timeout_ms), "--heartbeat-timeout-ms", "3000"],
-            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
-        deadline = time.monotonic() + 60
-        while time.monotonic() < deadline:
-            with socket.socket() as s:
-                if s.connect_ex(("127.0.0.1", self.port)) == 0:
-                    return
-            time.sleep(0.2)
-        self.stop()
-        raise AssertionError("the lighthouse did not start listening within 60 s")
-
-    @property
-    def address(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
-
-    def stop(self) -> None:
-        kill_process_group(self.proc)
-        self.proc.communicate()
-
-
-def _launch_group(nproc: int, group: int, groups: int, lighthouse: str, out: Path, extra: dict,
-                  max_restarts: int = 0) -> subprocess.Popen:
-    env = worker_env({"OUT": str(out), "REPLICA_GROUP_ID": str(group), "NUM_REPLICA_GROUPS": str(groups),
-                      "TORCHFT_LIGHTHOUSE": lighthouse, **{k: str(v) for k, v in extra.items()}})
-    cmd = [*launcher_command(nproc), "--max-restarts", str(max_restarts), str(TESTS / "torchft_worker.py")]
-    log = open(out / f"group{group}.log", "w")
-    return subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
-
-
-def _wait(procs: list[subprocess.Popen], out: Path, timeout: float) -> None:
-    deadline = time.monotonic() + timeout
-    for i, proc in enumerate(procs):
-        try:
-            proc.wait(timeout=max(1.0, deadline - time.monotonic()))
-        except subprocess.TimeoutExpired:
-            for p in procs:
-                kill_process_group(p)
-            raise AssertionError(f"replica group {i} ran past {timeout} s:\n" + _logs(out))
-    failed = [i for i, p in enumerate(procs) if p.returncode != 0]
-    assert not failed, f"replica groups {failed} failed:\n" + _logs(out)
-
-
-def _logs(out: Path) -> str:
-    return "\n".join(f"--- {log.name}\n{log.read_text()[-5000:]}" for log in sorted(out.glob("group*.log")))
-
-
-def _run_groups(tmp: Path, nproc: int, extra: dict, min_replicas: int, join_timeout_ms: int, timeout: float,
-                max_restarts: int = 0) -> dict:
-    tmp.mkdir(parents=True, exist_ok=True)
-    lighthouse = Lighthouse(min_replicas, join_timeout_ms)
-    try:
-        procs = [_launch_group(nproc, g, 2, lighthouse.address, tmp, extra, max_restarts) for g in range(2)]
-        _wait(procs, tmp, timeout)
-    finally:
-        lighthouse.stop()
-    return {p.stem: torch.load(p, weights_only=False) for p in tmp.glob("*_*.pt")}
 
 
 def _relative(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -93,8 +27,7 @@ def _relative(a: torch.Tensor, b: torch.Tensor) -> float:
 def no_fault(tmp_path_factory) -> dict:
     """2 replica groups x 2 processes (tp=2) under torchft, and one launch of 4 processes, HSDP 2 replicas x 2."""
     tmp = tmp_path_factory.mktemp("torchft_no_fault")
-    groups = _run_groups(tmp / "ft", 2, {"TP": 2, "STEPS": STEPS, "MIN_GROUPS": 2}, min_replicas=2,
-                         join_timeout_ms=60_000, timeout=300)
+    groups = run_groups(tmp / "ft", 2, {"TP": 2, "STEPS": STEPS, "MIN_GROUPS": 2}, min_replicas=2, timeout=600)
     ref_dir = tmp / "ref"
     ref_dir.mkdir()
     env = worker_env({"OUT": str(ref_dir), "REFERENCE": "1", "TP": "2", "STEPS": str(STEPS), "DP_SHARD": "1"})
@@ -128,6 +61,62 @@ def test_the_groups_hold_bitwise_equal_shards_without_a_fault(no_fault):
     for rank in (0, 1):
         a, b = groups[f"0_{rank}"]["local"], groups[f"1_{rank}"]["local"]
         assert all(torch.equal(a[k], b[k]) for k in a)
+
+
+KILL_AT, KILL_STEPS = 4, 12
+RECOVERY_BOUND_S = 60  # kill -> the survivors' next committed step: heartbeat timeout (3 s) + one step, with margin
+
+
+def _kill_scenario(tmp, tp: int, pp: int) -> dict:
+    """2 groups x 2 processes; group 1 SIGKILLed (all its processes) in the middle of the first step from KILL_AT on
+    that both groups are in, then restarted by its torchrun (--max-restarts 1)."""
+    return run_groups(tmp, 2, {"TP": tp, "PP": pp, "STEPS": KILL_STEPS, "KILL_AT": KILL_AT, "STEP_SLEEP": 1},
+                      min_replicas=1, timeout=900, max_restarts=1)
+
+
+def _check_kill_and_rejoin(records: dict) -> None:
+    live, back = records["0_0"], records["1_0"]
+    killed_at, restarted = records["killed_at"], records["restarted"]
+    # The surviving group never restarted: one pid per rank over every step, restart count 0.
+    for rank in (0, 1):
+        steps = records[f"0_{rank}"]["steps"]
+        assert [s["step"] for s in steps] == list(range(1, KILL_STEPS + 1))
+        assert {s["pid"] for s in steps} == {records[f"0_{rank}"]["pid"]} and {s["restart"] for s in steps} == {0}
+    # The step that met the dead group was discarded; the next ones ran with the survivors only, and the first of them
+    # committed within the stated bound.
+    by_step = {h["step"]: h for h in live["history"]}
+    during = [s for s in live["steps"] if s["time"] > killed_at]
+    assert not during[0]["committed"] and during[0]["participants"] == 2, during[0]
+    first_alone = next(s for s in during if s["committed"])
+    assert first_alone["participants"] == 1
+    assert first_alone["time"] - killed_at < RECOVERY_BOUND_S, first_alone["time"] - killed_at
+    # The killed group came back (a new process), healed from the live group and took part again.
+    assert restarted > killed_at
+    assert {s["restart"] for s in back["steps"]} == {1}
+    first_back = back["steps"][0]
+    assert first_back["healed_at"] is not None and first_back["step"] > during[0]["step"], first_back
+    assert first_back["participants"] == 2 and by_step[first_back["step"]]["participants"] == 2
+    assert [s["step"] for s in back["steps"]] == list(range(first_back["step"], KILL_STEPS + 1))
+    # Same weights, bitwise, on both groups at the end; every logged loss finite; the steps each group took part in.
+    for rank in (0, 1):
+        a, b = records[f"0_{rank}"]["local"], records[f"1_{rank}"]["local"]
+        assert set(a) == set(b) and all(torch.equal(a[k], b[k]) for k in a), rank
+    assert all(math.isfinite(s["loss"]) for s in live["steps"] + back["steps"])
+    assert [h["participants"] for h in live["history"]][-1] == 2
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+@pytest.mark.timeout(1000)
+def test_a_killed_replica_group_heals_and_rejoins_while_the_other_trains_on(tmp_path):
+    _check_kill_and_rejoin(_kill_scenario(tmp_path, tp=2, pp=1))
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+@pytest.mark.timeout(1000)
+def test_a_killed_pipeline_replica_group_heals_and_rejoins(tmp_path):
+    _check_kill_and_rejoin(_kill_scenario(tmp_path, tp=1, pp=2))
 
 
 # ---------------------------------------------------------------- bad input (one process, no launch)
