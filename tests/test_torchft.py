@@ -81,7 +81,8 @@ def _check_kill_and_rejoin(records: dict) -> None:
     for rank in (0, 1):
         steps = records[f"0_{rank}"]["steps"]
         # (a group that started after the other heals at its first quorum: its first step may be 2 or later)
-        assert [s["step"] for s in steps] == list(range(steps[0]["step"], KILL_STEPS + 1)) and steps[0]["step"] < KILL_AT
+        assert [s["step"] for s in steps] == list(range(steps[0]["step"], KILL_STEPS + 1))
+        assert steps[0]["step"] < KILL_AT
         assert {s["pid"] for s in steps} == {records[f"0_{rank}"]["pid"]} and {s["restart"] for s in steps} == {0}
     # The step that met the dead group was discarded; the next ones ran with the survivors only, and the first of them
     # committed within the stated bound.
