@@ -26,7 +26,12 @@ from lightning_hybrid.distributed.clip_grad import use_global_norm_clipping
 from lightning_hybrid.distributed.context_parallel import shard_batch
 from lightning_hybrid.distributed.data_parallel import all_reducing
 from lightning_hybrid.distributed.elastic import init_round_process_group
-from lightning_hybrid.distributed.fault_tolerance import ReplicaGroups, check_fault_tolerance
+from lightning_hybrid.distributed.fault_tolerance import (
+    ReplicaGroups,
+    check_fault_tolerance,
+    data_share,
+    join_replica_groups,
+)
 from lightning_hybrid.distributed.heartbeat import HANG_TIMEOUT, attach_hang_detector, check_hang_timeout
 from lightning_hybrid.distributed.init_weights import initialize_declared, move_buffers
 from lightning_hybrid.distributed.parallel_dims import ParallelDims, build_mesh, checkpoint_groups, lightning_mesh
@@ -77,12 +82,8 @@ class HybridParallelStrategy(ModelParallelStrategy):
         data_parallel_size: Lightning's name of ``dp``; ``"auto"``: the number of nodes.
         tensor_parallel_size: Lightning's name of ``tp``; ``"auto"``: the devices per node.
         cp: context-parallel size (sequences split, ring attention); ``dp_shard``: HSDP's shard group (``"hsdp"``).
-        fault_tolerance: ``"torchft"``: this launch is one replica group of a torchft job (per-step fault tolerance;
-            see :mod:`~.distributed.fault_tolerance`); the group comes from ``REPLICA_GROUP_ID``,
-            ``NUM_REPLICA_GROUPS`` and ``TORCHFT_LIGHTHOUSE``. ``None``: off.
-        min_replica_groups: with torchft, the fewest replica groups a step may commit with.
-        ft_timeout: with torchft, seconds a cross-group all-reduce, commit or healing transfer may take before the
-            step is discarded (a dead group is dropped at the next quorum); the quorum itself waits ``timeout``.
+        fault_tolerance, min_replica_groups, ft_timeout: ``"torchft"``: this launch is one replica group of a torchft
+            job (see :mod:`~.distributed.fault_tolerance`); the fewest groups a step commits with; cross-group timeout.
 
     Raises:
         ValueError: an argument has an unknown value (on construction, on every rank), or the sizes do not
@@ -114,9 +115,7 @@ class HybridParallelStrategy(ModelParallelStrategy):
         data_parallel_size: Optional[Union[int, Literal["auto"]]] = None,
         tensor_parallel_size: Optional[Union[int, Literal["auto"]]] = None,
         cp: int = 1, dp_shard: Optional[int] = None,
-        fault_tolerance: Optional[str] = None,
-        min_replica_groups: int = 1,
-        ft_timeout: float = 60.0,
+        fault_tolerance: Optional[str] = None, min_replica_groups: int = 1, ft_timeout: float = 60.0,
     ) -> None:
         super().__init__(data_parallel_size="auto", tensor_parallel_size="auto",
                          save_distributed_checkpoint=save_distributed_checkpoint,
@@ -128,12 +127,10 @@ class HybridParallelStrategy(ModelParallelStrategy):
             selective_ac=selective_ac, compile=compile, reduce_dtype=reduce_dtype,
             data_parallel_size=data_parallel_size, tensor_parallel_size=tensor_parallel_size, cp=cp, dp_shard=dp_shard)
         self.preflight = bool(preflight)
-        self.replica_group_env = check_fault_tolerance(fault_tolerance, min_replica_groups)
-        self.ft_timeout = float(ft_timeout)
+        self.replica_group_env, self.ft_timeout = check_fault_tolerance(fault_tolerance, min_replica_groups, ft_timeout)
         self.replica_groups: Optional[ReplicaGroups] = None
-        self.replica_group_history: list[dict[str, Any]] = []  # per step: quorum size, committed (after teardown)
-        self.healed_from_peer = False
-        self._in_train_step = False  # between a torchft step's quorum and its gradient averaging
+        self.replica_group_history: list[dict[str, Any]] = []  # per step: quorum size, committed (after training)
+        self.healed_from_peer = False  # a torchft group that healed from a live one (no auto-resume from disk)
         self.hang_timeout = check_hang_timeout(hang_timeout)
         self._dims: Optional[ParallelDims] = None
         self._spec: Optional[ParallelSpec] = None
@@ -165,12 +162,8 @@ class HybridParallelStrategy(ModelParallelStrategy):
     @property
     @override
     def distributed_sampler_kwargs(self) -> dict[str, Any]:
-        # TP and PP peers see the same samples; only the dp coordinate selects a slice. Replica groups (torchft)
-        # each read their own share: group g's data ranks follow those of groups 0..g-1.
-        rank, env = self.dims.coordinates(self.global_rank)["dp"], self.replica_group_env
-        if env is None:
-            return {"num_replicas": self.dims.dp, "rank": rank}
-        return {"num_replicas": env.num_groups * self.dims.dp, "rank": env.group_id * self.dims.dp + rank}
+        # TP and PP peers see the same samples; only the dp coordinate (and a torchft replica group) selects a slice.
+        return data_share(self.replica_group_env, self.dims.dp, self.dims.coordinates(self.global_rank)["dp"])
 
     @property
     def _precision(self) -> str:
@@ -234,53 +227,15 @@ class HybridParallelStrategy(ModelParallelStrategy):
         self.setup_precision_plugin()
         use_global_norm_clipping(self.precision_plugin, self.world_size // self.dims.pp)
         if self.replica_group_env is not None and trainer.state.fn == TrainerFn.FITTING:
-            self._join_replica_groups(trainer)
-
-    def _join_replica_groups(self, trainer: "pl.Trainer") -> None:
-        """Start torchft's manager and join the first quorum; a group that is behind a live peer heals here."""
-        from lightning_hybrid.distributed.fault_tolerance import (
-            heal_trainer_state,
-            load_local_state,
-            local_state,
-            trainer_state_for_peer,
-        )
-
-        def state() -> dict[str, Any]:
-            return {**local_state(self.lightning_module.model, list(self.optimizers)),
-                    "trainer": trainer_state_for_peer(trainer, self.checkpoint_context().data_position)}
-
-        def load(peer: dict[str, Any]) -> None:
-            load_local_state(self.lightning_module.model, list(self.optimizers), peer)
-            position = heal_trainer_state(trainer, peer["trainer"], before_fit=joining)
-            if joining:
-                self.healed_from_peer = True  # FaultTolerantCheckpoint then does not auto-resume from disk
-                self.resume_position = position
-
-        if self.pipeline is not None:
-            self.pipeline.cross_group = self._average_over_groups
-        joining = True
-        self.replica_groups = ReplicaGroups(self.replica_group_env, self.global_rank, self.world_size,
-                                            self._get_process_group_backend(), self._timeout, state, load,
-                                            collective_timeout=self.ft_timeout)
-        self.replica_groups.start_step()  # the first step's quorum
-        joining = False
-
-    def _average_over_groups(self, tensor: torch.Tensor) -> torch.Tensor:
-        # Only inside a training step: validation and sanity checks stay within the group (no quorum is open there
-        # for every group alike).
-        if self.replica_groups is None or not self._in_train_step:
-            return tensor
-        return self.replica_groups.average(tensor)
+            self.replica_groups = join_replica_groups(self, trainer)  # a group behind a live one heals here
 
     @override
     def reduce(self, tensor: Any, group: Optional[Any] = None, reduce_op: Optional[Any] = "mean") -> Any:
-        """Lightning's reduce over this launch; inside a training step of a torchft replica group, the result is
-        then averaged over the groups in the step's quorum (a ``"sum"`` is the group's sum averaged over the groups:
-        with the sampler counting every group's data ranks, the loss is the token mean of the samples in the step)."""
+        """Lightning's reduce; in a torchft replica group's training step then averaged over the groups in it."""
         result = super().reduce(tensor, group=group, reduce_op=reduce_op)
-        if self.replica_groups is not None and group is None and isinstance(result, torch.Tensor):
-            result = self._average_over_groups(result.clone())
-        return result
+        if self.replica_groups is None or group is not None:
+            return result
+        return self.replica_groups.average_in_step(result)
 
     def _parallelize_declared(self, model: torch.nn.Module) -> None:
         """Parallelize and materialize the declared model (or this rank's pipeline stages), then initialize it."""
@@ -319,9 +274,8 @@ class HybridParallelStrategy(ModelParallelStrategy):
         if self._spec is not None and self.dims.data_ranks > 1 and self.options.data_parallel == "replicate":
             closure = all_reducing(closure, self.lightning_module.model, self.device_mesh["dp_cp"].get_group(),
                                    self.dims.data_ranks, self.options.reduction_dtype(self._precision))
-        if self.replica_groups is not None:
-            closure = self._committing(closure)
-            self.step_guard.active = True
+        if self.replica_groups is not None:  # gradients averaged over the groups, then torchft's commit verdict
+            closure = self.replica_groups.committing(closure, self.lightning_module, self.step_guard)
         with self.step_guard.guarding(optimizer):
             result = super().optimizer_step(optimizer, closure, model, **kwargs)
         if self.pipeline is not None:
@@ -330,35 +284,14 @@ class HybridParallelStrategy(ModelParallelStrategy):
             optimizer.zero_grad(set_to_none=True)
         return result
 
-    def _committing(self, closure: Callable[[], Any]) -> Callable[[], Any]:
-        """The closure, then the gradients averaged over the replica groups and torchft's commit verdict."""
-        groups = self.replica_groups
-        assert groups is not None
-
-        def committed() -> Any:
-            result = closure()
-            self._in_train_step = False
-            groups.average_gradients(list(self.lightning_module.model.parameters()))
-            if not groups.commit(self.lightning_module.trainer.global_step + 1):
-                self.step_guard.skip_next()  # discarded: weights and optimizer state stay, as on the other ranks
-            return result
-
-        return committed
-
     def skip_next_optimizer_step(self) -> None:
         """Compute this step's gradients but apply nothing (weights and optimizer state stay); every rank must ask."""
         self.step_guard.skip_next()
 
     @override
-    def teardown(self) -> None:
-        if self.replica_groups is not None:
-            self.replica_group_history = self.replica_groups.history
-            self.replica_groups.shutdown()
-            self.replica_groups = None
-        super().teardown()
-
-    @override
     def on_train_end(self) -> None:
+        if self.replica_groups is not None:
+            self.replica_group_history, self.replica_groups = self.replica_groups.shutdown(), None
         if self.pipeline is not None:
             self.bubble_report = report_bubble(self.pipeline, self.options, self.dims, self.global_rank)
 
@@ -368,8 +301,7 @@ class HybridParallelStrategy(ModelParallelStrategy):
         self.per_rank_batch_size = batch_size_of(batch, self.lightning_module.trainer.train_dataloader)
         super().on_train_batch_start(batch, batch_idx)
         if self.replica_groups is not None:
-            self.replica_groups.start_step()
-            self._in_train_step = True
+            self.replica_groups.begin_batch()
 
     @override
     def process_dataloader(self, dataloader: object) -> object:

@@ -129,15 +129,16 @@ GOOD_ENV = {"REPLICA_GROUP_ID": "1", "NUM_REPLICA_GROUPS": "2", "TORCHFT_LIGHTHO
 
 
 def test_the_replica_group_comes_from_torchfts_environment():
-    env = check_fault_tolerance("torchft", 2, GOOD_ENV)
+    env, timeout = check_fault_tolerance("torchft", 2, 30, GOOD_ENV)
+    assert timeout == 30.0
     assert (env.group_id, env.num_groups, env.lighthouse, env.min_replica_groups) == (1, 2, GOOD_ENV[
         "TORCHFT_LIGHTHOUSE"], 2)
-    assert check_fault_tolerance(None, 1, {}) is None
+    assert check_fault_tolerance(None, 1, 60, {}) == (None, 60.0)
 
 
 def test_torchft_without_its_environment_names_the_missing_variables():
     with pytest.raises(ValueError, match=r"needs NUM_REPLICA_GROUPS, TORCHFT_LIGHTHOUSE in the environment"):
-        check_fault_tolerance("torchft", 1, {"REPLICA_GROUP_ID": "0"})
+        check_fault_tolerance("torchft", 1, 60, {"REPLICA_GROUP_ID": "0"})
 
 
 @pytest.mark.parametrize("env, match", [
@@ -146,24 +147,29 @@ def test_torchft_without_its_environment_names_the_missing_variables():
 ])
 def test_an_inconsistent_replica_group_environment_is_one_line(env, match):
     with pytest.raises(ValueError, match=match) as err:
-        check_fault_tolerance("torchft", 1, env)
+        check_fault_tolerance("torchft", 1, 60, env)
     assert "\n" not in str(err.value)
 
 
 def test_more_min_replica_groups_than_groups_is_refused():
     with pytest.raises(ValueError, match=r"min_replica_groups=3 is larger than NUM_REPLICA_GROUPS=2; use 1\.\.2"):
-        check_fault_tolerance("torchft", 3, GOOD_ENV)
+        check_fault_tolerance("torchft", 3, 60, GOOD_ENV)
+
+
+def test_a_non_positive_cross_group_timeout_is_refused():
+    with pytest.raises(ValueError, match=r"ft_timeout=0 must be a positive number of seconds"):
+        check_fault_tolerance("torchft", 1, 0, GOOD_ENV)
 
 
 def test_an_unknown_fault_tolerance_is_refused():
     with pytest.raises(ValueError, match=r"fault_tolerance='torchelastic' is not known; use None or 'torchft'"):
-        check_fault_tolerance("torchelastic", 1, GOOD_ENV)
+        check_fault_tolerance("torchelastic", 1, 60, GOOD_ENV)
 
 
 def test_torchft_missing_names_the_extra(monkeypatch):
     monkeypatch.setitem(sys.modules, "torchft", None)  # `import torchft` now raises ImportError
     with pytest.raises(ImportError, match=r"pip install 'lightning-hybrid\[ft\]'"):
-        check_fault_tolerance("torchft", 1, GOOD_ENV)
+        check_fault_tolerance("torchft", 1, 60, GOOD_ENV)
 
 
 def test_the_strategy_refuses_torchft_without_environment_on_construction(monkeypatch):

@@ -35,7 +35,7 @@ if TYPE_CHECKING:
     from torch import nn
 
 __all__ = ["FAULT_TOLERANCE", "ENV_GROUP", "ENV_GROUPS", "ENV_LIGHTHOUSE", "ReplicaGroupEnv", "ReplicaGroups",
-           "check_fault_tolerance", "require_torchft"]
+           "check_fault_tolerance", "require_torchft", "data_share", "join_replica_groups"]
 
 FAULT_TOLERANCE = ("torchft",)
 ENV_GROUP, ENV_GROUPS, ENV_LIGHTHOUSE = "REPLICA_GROUP_ID", "NUM_REPLICA_GROUPS", "TORCHFT_LIGHTHOUSE"
@@ -69,22 +69,24 @@ def _env_int(environ: Mapping[str, str], name: str) -> int:
                          f"group's number") from None
 
 
-def check_fault_tolerance(fault_tolerance: Optional[str], min_replica_groups: int,
-                          environ: Optional[Mapping[str, str]] = None) -> Optional[ReplicaGroupEnv]:
+def check_fault_tolerance(fault_tolerance: Optional[str], min_replica_groups: int, timeout: float = 60.0,
+                          environ: Optional[Mapping[str, str]] = None) -> tuple[Optional[ReplicaGroupEnv], float]:
     """Validate the options and read the replica group from the environment (on construction, on every rank).
 
     Returns:
-        ``None`` without fault tolerance, else this process's :class:`ReplicaGroupEnv`.
+        (``None`` without fault tolerance, else this process's :class:`ReplicaGroupEnv`; the cross-group timeout).
 
     Raises:
-        ValueError: an unknown ``fault_tolerance``, a missing or inconsistent environment variable, or
-            ``min_replica_groups`` outside ``1..NUM_REPLICA_GROUPS``.
+        ValueError: an unknown ``fault_tolerance``, a missing or inconsistent environment variable,
+            ``min_replica_groups`` outside ``1..NUM_REPLICA_GROUPS``, or a timeout that is not a positive number.
         ImportError: torchft is not installed (naming the extra).
     """
     if isinstance(min_replica_groups, bool) or not isinstance(min_replica_groups, int) or min_replica_groups < 1:
         raise ValueError(f"min_replica_groups={min_replica_groups!r} must be a positive integer")
+    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not timeout > 0:
+        raise ValueError(f"ft_timeout={timeout!r} must be a positive number of seconds")
     if fault_tolerance is None:
-        return None
+        return None, float(timeout)
     if fault_tolerance not in FAULT_TOLERANCE:
         raise ValueError(f"fault_tolerance={fault_tolerance!r} is not known; use None or 'torchft'")
     require_torchft()
@@ -100,7 +102,7 @@ def check_fault_tolerance(fault_tolerance: Optional[str], min_replica_groups: in
     if min_replica_groups > groups:
         raise ValueError(f"min_replica_groups={min_replica_groups} is larger than {ENV_GROUPS}={groups}; "
                          f"use 1..{groups}")
-    return ReplicaGroupEnv(group, groups, environ[ENV_LIGHTHOUSE], min_replica_groups)
+    return ReplicaGroupEnv(group, groups, environ[ENV_LIGHTHOUSE], min_replica_groups), float(timeout)
 
 
 def _weights_only_transport(timeout: timedelta) -> Any:
@@ -176,7 +178,8 @@ class ReplicaGroups:
             timeout=short, quorum_timeout=timeout, connect_timeout=short, rank=group_rank,
             world_size=group_world_size, lighthouse_addr=env.lighthouse, store_addr=store_addr, store_port=store_port,
             replica_id=f"replica_group_{env.group_id}", checkpoint_transport=_weights_only_transport(short))
-        self.in_step = False
+        self.in_step = False  # a quorum is open (from the step's start to its commit)
+        self.collecting = False  # inside the training step: the loss's sums are averaged over the groups
         self.history: list[dict[str, Any]] = []  # per step: participants and whether it was committed
 
     def _apply(self, state: dict[str, Any]) -> None:
@@ -189,6 +192,34 @@ class ReplicaGroups:
             self.manager.start_quorum()
             self.in_step = True
 
+    def begin_batch(self) -> None:
+        """A training batch starts: join its quorum (once) and average the group's reduced sums until the backward."""
+        self.start_step()
+        self.collecting = True
+
+    def average_in_step(self, value: Any) -> Any:
+        """What the strategy reduced over this group, averaged over the groups of the quorum inside a training step
+        (outside one -- validation, sanity checks, data setup -- unchanged: no quorum is open for every group there).
+        """
+        if not self.collecting or not isinstance(value, Tensor):
+            return value
+        return self.average(value.clone())
+
+    def committing(self, closure: Callable[[], Any], module: Any, guard: Any) -> Callable[[], Any]:
+        """Lightning's closure (forward and backward), then the gradients averaged over the groups and torchft's
+        verdict: a discarded step is skipped through the strategy's step ``guard`` (weights and optimizer stay)."""
+        guard.active = True
+
+        def committed() -> Any:
+            result = closure()
+            self.collecting = False
+            self.average_gradients(list(module.model.parameters()))
+            if not self.commit(module.trainer.global_step + 1):
+                guard.skip_next()
+            return result
+
+        return committed
+
     def participants(self) -> int:
         """Replica groups in this step's quorum."""
         return self.manager.num_participants()
@@ -198,6 +229,7 @@ class ReplicaGroups:
         if self.in_step:
             self.manager.allreduce(tensor).wait()
         return tensor
+
 
     def average_gradients(self, params: "list[nn.Parameter]") -> None:
         """Average the local gradient shards over the groups of the quorum, one flat all-reduce per dtype."""
@@ -224,8 +256,10 @@ class ReplicaGroups:
         self.healed_at = None
         return committed
 
-    def shutdown(self) -> None:
+    def shutdown(self) -> list[dict[str, Any]]:
+        """Stop torchft's manager (its server and transport); returns the per-step history."""
         self.manager.shutdown(wait=False)
+        return self.history
 
 
 def local_state(model: "nn.Module", optimizers: list[torch.optim.Optimizer]) -> dict[str, Any]:
@@ -305,3 +339,38 @@ def heal_trainer_state(trainer: Any, state: dict[str, Any], before_fit: bool) ->
     for config, scheduler_state in zip(trainer.lr_scheduler_configs, state["lr_schedulers"]):
         config.scheduler.load_state_dict(scheduler_state)
     return None
+
+
+def data_share(env: Optional[ReplicaGroupEnv], dp: int, dp_rank: int) -> dict[str, int]:
+    """The sampler's ``num_replicas`` and ``rank``: with replica groups, every group reads its own share of each global
+    batch (group ``g``'s data ranks follow those of groups ``0..g-1``)."""
+    if env is None:
+        return {"num_replicas": dp, "rank": dp_rank}
+    return {"num_replicas": env.num_groups * dp, "rank": env.group_id * dp + dp_rank}
+
+
+def join_replica_groups(strategy: Any, trainer: Any) -> ReplicaGroups:
+    """Start torchft's manager for ``strategy``'s rank and join the first quorum; a group that is behind a live peer
+    (a restarted one) heals here, before the fit loop: weights and optimizer at once, Lightning's loops, callbacks
+    and LR schedules restored like a checkpoint, the data position given to the sampler."""
+    joining = [True]
+
+    def state() -> dict[str, Any]:
+        return {**local_state(strategy.lightning_module.model, list(strategy.optimizers)),
+                "trainer": trainer_state_for_peer(trainer, strategy.checkpoint_context().data_position)}
+
+    def load(peer: dict[str, Any]) -> None:
+        load_local_state(strategy.lightning_module.model, list(strategy.optimizers), peer)
+        position = heal_trainer_state(trainer, peer["trainer"], before_fit=joining[0])
+        if joining[0]:
+            strategy.healed_from_peer = True  # FaultTolerantCheckpoint then does not auto-resume from disk
+            strategy.resume_position = position
+
+    groups = ReplicaGroups(strategy.replica_group_env, strategy.global_rank, strategy.world_size,
+                           strategy._get_process_group_backend(), strategy._timeout, state, load,
+                           collective_timeout=strategy.ft_timeout)
+    if strategy.pipeline is not None:  # the pipeline's label count and loss sums, averaged like strategy.reduce
+        strategy.pipeline.cross_group = groups.average_in_step
+    groups.start_step()  # the first step's quorum
+    joining[0] = False
+    return groups
