@@ -2,6 +2,7 @@
 
     python benchmarks/recovery.py                  # all three faults, hang_timeout 10 s
     python benchmarks/recovery.py --fault killed   # one of: killed, hung, lost-node
+    python benchmarks/recovery.py --torchft        # torchft replica groups against the whole-job restart, same run
 
 Each fault runs the tests' worker (``tests/elastic_worker.py``: the tiny Qwen2, 8 steps, async checkpoints every
 2 steps) under torchrun and reads the timestamps the worker and torchrun leave:
@@ -17,6 +18,13 @@ after it has stopped the other workers of the round), *rendezvous + spawn* (-> t
 *startup* (-> every new worker has its process group: Python and torch imports, process-group init), *load*
 (-> training starts: model build and checkpoint load), *redone* (-> the first optimizer step past the fault: the
 steps since the checkpoint again) and *total* (fault -> that step). One run per fault, on a shared machine.
+
+``--torchft``: 2 replica groups x 2 processes (tp=2, ``fault_tolerance="torchft"``, torchft's lighthouse on
+localhost; the tests' ``tests/torchft_worker.py``); all of group 1 is SIGKILLed in the middle of step 4 and its
+torchrun restarts it. Columns: *survivors' next step* (kill -> group 0's first committed step without it: the
+lighthouse's 3 s heartbeat timeout, the discarded step, one step), *restarted* (kill -> the new workers run),
+*rejoined* (kill -> the first step group 1 takes part in again, after healing from group 0), and the whole-job
+restart's *total* for the killed rank, run in the same invocation.
 """
 
 from __future__ import annotations
@@ -122,12 +130,44 @@ def phases(out: Path, agent_log: str) -> dict:
             "redone": first_new - loaded, "total": first_new - fault_at, "world_after": resumed["world"]}
 
 
+def run_torchft(out: Path, timeout: float) -> dict:
+    """The torchft kill-and-rejoin scenario; the phase times (seconds from the kill)."""
+    sys.path.insert(0, str(ROOT / "tests"))
+    from helpers.torchft_groups import run_groups
+
+    records = run_groups(out, 2, {"TP": 2, "STEPS": 12, "KILL_AT": 4, "STEP_SLEEP": 1}, min_replicas=1,
+                         timeout=timeout, max_restarts=1)
+    killed = records["killed_at"]
+    live = [s for s in records["0_0"]["steps"] if s["time"] > killed]
+    survivors = next(s for s in live if s["committed"])
+    back = records["1_0"]["steps"][0]
+    return {"survivors": survivors["time"] - killed, "restarted": records["restarted"] - killed,
+            "rejoined": back["time"] - killed, "discarded": sum(not s["committed"] for s in live),
+            "degraded": sum(s["participants"] == 1 for s in live)}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--torchft", action="store_true",
+                        help="torchft replica groups against the whole-job restart (killed rank), in the same run")
     parser.add_argument("--fault", choices=["killed", "hung", "lost-node"], action="append")
     parser.add_argument("--hang-timeout", type=float, default=10.0)
     parser.add_argument("--timeout", type=float, default=600.0)
     args = parser.parse_args()
+    if args.torchft:
+        with tempfile.TemporaryDirectory() as tmp:
+            whole = run_fault("killed", Path(tmp) / "killed", args.hang_timeout, args.timeout)
+            ft = run_torchft(Path(tmp) / "torchft", args.timeout)
+        print("\nrecovery of the tiny model on 4 CPU processes (gloo): a killed rank, whole-job in-job restart against "
+              "torchft replica groups (2 groups x tp=2, the whole group killed)\n")
+        print("| recovery | fault -> training again s | fault -> the failed part back s | steps redone | "
+              "steps discarded | degraded steps |")
+        print("| --- | ---: | ---: | ---: | ---: | ---: |")
+        print(f"| whole-job restart (tp=2 x pp=2, checkpoint of step 4) | {whole['total']:.1f} | {whole['total']:.1f} "
+              f"| 1 | 0 | 0 |")
+        print(f"| torchft replica groups | {ft['survivors']:.1f} | {ft['rejoined']:.1f} (restarted at "
+              f"{ft['restarted']:.1f}) | 0 | {ft['discarded']} | {ft['degraded']} |")
+        return
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
         for fault in args.fault or ["killed", "hung", "lost-node"]:

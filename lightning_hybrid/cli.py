@@ -25,6 +25,8 @@ TOOLS: dict[str, tuple[str, str]] = {
     "prepare-data": ("lightning_hybrid.data.prepare:prepare_main", "tokenize text or chat data into packed tokens"),
     "export-hf": ("lightning_hybrid.checkpoint.export:export_main", "write a Hugging Face folder from a checkpoint"),
     "dry-run": ("lightning_hybrid.dryrun.cli:dry_run_main", "build every rank of a recipe and trace a step on one CPU"),
+    "lighthouse": ("lightning_hybrid.launch.lighthouse:lighthouse_main",
+                   "run torchft's lighthouse for replica groups (fault_tolerance='torchft')"),
 }
 LIGHTNING_SUBCOMMANDS = {
     "fit": "train (and validate) a model",

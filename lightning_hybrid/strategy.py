@@ -25,6 +25,12 @@ from lightning_hybrid.distributed.clip_grad import use_global_norm_clipping
 from lightning_hybrid.distributed.context_parallel import shard_batch
 from lightning_hybrid.distributed.data_parallel import all_reducing
 from lightning_hybrid.distributed.elastic import init_round_process_group
+from lightning_hybrid.distributed.fault_tolerance import (
+    ReplicaGroups,
+    check_fault_tolerance,
+    data_share,
+    join_replica_groups,
+)
 from lightning_hybrid.distributed.float8 import check_float8_device, precompute_float8_scales
 from lightning_hybrid.distributed.heartbeat import HANG_TIMEOUT, attach_hang_detector, check_hang_timeout
 from lightning_hybrid.distributed.init_weights import initialize_declared, move_buffers
@@ -85,6 +91,8 @@ class HybridParallelStrategy(ModelParallelStrategy):
         cp: context-parallel size (sequences split, ring attention); ``dp_shard``: HSDP's shard group (``"hsdp"``).
         loss_parallel, bf16_compute_weights, fsdp_reshard_after_forward, async_tp: see docs/performance.md.
         float8: ``None``, ``"tensorwise"``, ``"rowwise"`` or ``"mxfp8"``: float8 block linears (:mod:`~.float8`).
+        fault_tolerance, min_replica_groups, ft_timeout: ``"torchft"``: this launch is one replica group of a torchft
+            job (see :mod:`~.distributed.fault_tolerance`); the fewest groups a step commits with; cross-group timeout.
 
     Raises:
         ValueError: an argument has an unknown value (on construction, on every rank), or the sizes do not
@@ -118,6 +126,7 @@ class HybridParallelStrategy(ModelParallelStrategy):
         cp: int = 1, dp_shard: Optional[int] = None, loss_parallel: bool = True, async_tp: bool = False,
         bf16_compute_weights: bool = True, fsdp_reshard_after_forward: Union[bool, Literal["auto"]] = "auto",
         float8: Optional[str] = None,
+        fault_tolerance: Optional[str] = None, min_replica_groups: int = 1, ft_timeout: float = 60.0,
     ) -> None:
         super().__init__(data_parallel_size="auto", tensor_parallel_size="auto",
                          save_distributed_checkpoint=save_distributed_checkpoint,
@@ -125,6 +134,10 @@ class HybridParallelStrategy(ModelParallelStrategy):
         self.options = ParallelOptions(**{name: value for name, value in locals().items()  # every layout argument
                                           if name in ParallelOptions.__dataclass_fields__})
         self.preflight = bool(preflight)
+        self.replica_group_env, self.ft_timeout = check_fault_tolerance(fault_tolerance, min_replica_groups, ft_timeout)
+        self.replica_groups: Optional[ReplicaGroups] = None
+        self.replica_group_history: list[dict[str, Any]] = []  # per step: quorum size, committed (after training)
+        self.healed_from_peer = False  # a torchft group that healed from a live one (no auto-resume from disk)
         self.hang_timeout = check_hang_timeout(hang_timeout)
         self._dims: Optional[ParallelDims] = None
         self._spec: Optional[ParallelSpec] = None
@@ -157,8 +170,8 @@ class HybridParallelStrategy(ModelParallelStrategy):
     @property
     @override
     def distributed_sampler_kwargs(self) -> dict[str, Any]:
-        # TP and PP peers see the same samples; only the dp coordinate selects a slice.
-        return {"num_replicas": self.dims.dp, "rank": self.dims.coordinates(self.global_rank)["dp"]}
+        # TP and PP peers see the same samples; only the dp coordinate (and a torchft replica group) selects a slice.
+        return data_share(self.replica_group_env, self.dims.dp, self.dims.coordinates(self.global_rank)["dp"])
 
     @property
     def _precision(self) -> str:
@@ -223,6 +236,16 @@ class HybridParallelStrategy(ModelParallelStrategy):
             self.setup_optimizers(trainer)
         self.setup_precision_plugin()
         use_global_norm_clipping(self.precision_plugin, self.world_size // self.dims.pp)
+        if self.replica_group_env is not None and trainer.state.fn == TrainerFn.FITTING:
+            self.replica_groups = join_replica_groups(self, trainer)  # a group behind a live one heals here
+
+    @override
+    def reduce(self, tensor: Any, group: Optional[Any] = None, reduce_op: Optional[Any] = "mean") -> Any:
+        """Lightning's reduce; in a torchft replica group's training step then averaged over the groups in it."""
+        result = super().reduce(tensor, group=group, reduce_op=reduce_op)
+        if self.replica_groups is None or group is not None:
+            return result
+        return self.replica_groups.average_in_step(result)
 
     def _parallelize_declared(self, model: torch.nn.Module) -> None:
         """Parallelize and materialize the declared model (or this rank's pipeline stages), then initialize it."""
@@ -263,6 +286,8 @@ class HybridParallelStrategy(ModelParallelStrategy):
         if self._spec is not None and self.dims.data_ranks > 1 and self.options.data_parallel == "replicate":
             closure = all_reducing(closure, self.lightning_module.model, self.device_mesh["dp_cp"].get_group(),
                                    self.dims.data_ranks, self.options.reduction_dtype(self._precision))
+        if self.replica_groups is not None:  # gradients averaged over the groups, then torchft's commit verdict
+            closure = self.replica_groups.committing(closure, self.lightning_module, self.step_guard)
         with self.step_guard.guarding(optimizer):
             result = super().optimizer_step(optimizer, closure, model, **kwargs)
         if self.options.float8 == "tensorwise":  # the float8 scales of the updated FSDP2 shards, one all-reduce
@@ -283,6 +308,8 @@ class HybridParallelStrategy(ModelParallelStrategy):
 
     @override
     def on_train_end(self) -> None:
+        if self.replica_groups is not None:
+            self.replica_group_history, self.replica_groups = self.replica_groups.shutdown(), None
         if self.pipeline is not None:
             self.bubble_report = report_bubble(self.pipeline, self.options, self.dims, self.global_rank)
 
@@ -291,6 +318,8 @@ class HybridParallelStrategy(ModelParallelStrategy):
         # Only the data position needs it: a batch without tensors (strings) takes the DataLoader's batch_size.
         self.per_rank_batch_size = batch_size_of(batch, self.lightning_module.trainer.train_dataloader)
         super().on_train_batch_start(batch, batch_idx)
+        if self.replica_groups is not None:
+            self.replica_groups.begin_batch()
 
     @override
     def process_dataloader(self, dataloader: object) -> object:

@@ -160,6 +160,11 @@ class FaultTolerantCheckpoint(pl.Callback):
         if not callable(getattr(trainer.strategy, "begin_save", None)):
             raise TypeError(f"FaultTolerantCheckpoint needs HybridParallelStrategy; the Trainer uses "
                             f"{type(trainer.strategy).__name__} (set strategy=HybridParallelStrategy(...))")
+        env = getattr(trainer.strategy, "replica_group_env", None)
+        if env is not None and self.dirpath.name != f"replica_group_{env.group_id}":
+            # torchft replica groups: each group keeps its own checkpoints (for a disaster in which all die); after
+            # such a restart, the first quorum heals every group that resumed from an older step.
+            self.dirpath = self.dirpath / f"replica_group_{env.group_id}"
 
     def on_fit_start(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
         strategy = trainer.strategy
@@ -168,8 +173,8 @@ class FaultTolerantCheckpoint(pl.Callback):
             for stale in self._incomplete():  # half-written saves of a crashed run
                 rank_zero_info(f"removing incomplete checkpoint {stale}")
                 remove_checkpoint(stale, MANIFEST)
-        if trainer.ckpt_path is not None or not self.auto_resume:
-            return
+        if trainer.ckpt_path is not None or not self.auto_resume or getattr(strategy, "healed_from_peer", False):
+            return  # (a torchft replica group that healed from a live peer already holds newer state)
         existing = strategy.broadcast([c.path.name for c in committed_checkpoints(self.dirpath)]
                                       if trainer.is_global_zero else None)
         found = self._newest_valid(trainer, [self.dirpath / name for name in existing])

@@ -105,6 +105,8 @@ class PipelineRunner:
         self.is_first = any(s.is_first for s in stages)
         self.is_last = any(s.is_last for s in stages)
         self.grad_scale = 1.0  # 1 / accumulate_grad_batches, set by the strategy
+        # torchft replica groups: averages a group's sums over the groups of the step (identity otherwise)
+        self.cross_group: Callable[[Tensor], Tensor] = lambda tensor: tensor
         self._normalizer = torch.ones(())
         # entered around every schedule step (the vocabulary-parallel loss's backward runs inside it)
         self.step_context: Callable[[], Any] = contextlib.nullcontext
@@ -160,7 +162,7 @@ class PipelineRunner:
         device = input_ids.device
         stats = torch.zeros(2, dtype=torch.float32, device=device)
         if self.is_last:
-            count = self._dp_sum((labels != IGNORE_INDEX).sum().float().reshape(1))
+            count = self.cross_group(self._dp_sum((labels != IGNORE_INDEX).sum().float().reshape(1)))
             stats[1] = count[0]
             self._normalizer = self.dp * self.grad_scale / count[0].clamp(min=1.0)
         losses: list[Tensor] = []
@@ -179,7 +181,7 @@ class PipelineRunner:
                 self.schedule.eval(*args, **kwargs)
         if self.is_last:
             local = torch.stack([loss.detach().float() for loss in losses]).sum() / self.grad_scale
-            stats[0] = self._dp_sum(local.reshape(1))[0] / self.dp
+            stats[0] = self.cross_group(self._dp_sum(local.reshape(1)))[0] / self.dp
         src = dist.get_global_rank(self.pp_group, self.last_stage_pp_rank)
         dist.broadcast(stats, src=src, group=self.pp_group)
         return stats[0], stats[0], stats[1]

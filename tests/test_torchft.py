@@ -1,0 +1,190 @@
+"""Per-step fault tolerance with torchft replica groups: torchft's real lighthouse on localhost, each replica group
+its own torchrun launch of gloo processes, real SIGKILLs."""
+
+from __future__ import annotations
+
+import math
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from helpers.launch import TESTS, worker_env
+from helpers.torchft_groups import run_groups
+from lightning_hybrid.launch.torchrun import launcher_command
+
+pytest.importorskip("torchft")
+
+STEPS = 8
+
+
+def _relative(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a - b).norm() / b.norm().clamp(min=1e-30))
+
+
+@pytest.fixture(scope="module")
+def no_fault(tmp_path_factory) -> dict:
+    """2 replica groups x 2 processes (tp=2) under torchft, and one launch of 4 processes, HSDP 2 replicas x 2."""
+    tmp = tmp_path_factory.mktemp("torchft_no_fault")
+    groups = run_groups(tmp / "ft", 2, {"TP": 2, "STEPS": STEPS, "MIN_GROUPS": 2}, min_replicas=2, timeout=600)
+    ref_dir = tmp / "ref"
+    ref_dir.mkdir()
+    env = worker_env({"OUT": str(ref_dir), "REFERENCE": "1", "TP": "2", "STEPS": str(STEPS), "DP_SHARD": "1"})
+    subprocess.run([*launcher_command(4), str(TESTS / "torchft_worker.py")], env=env, check=True, timeout=300,
+                   capture_output=True)
+    return {"groups": groups, "reference": torch.load(ref_dir / "ref_0.pt", weights_only=False)}
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+@pytest.mark.timeout(700)
+def test_two_replica_groups_train_like_one_hsdp_launch(no_fault):
+    ref, groups = no_fault["reference"], no_fault["groups"]
+    for name in ("0_0", "1_0"):
+        run = groups[name]
+        losses = [s["loss"] for s in run["steps"]]
+        ref_losses = [s["loss"] for s in ref["steps"]]
+        assert len(losses) == STEPS
+        assert max(abs(a - b) / abs(b) for a, b in zip(losses, ref_losses)) < 1e-5, (losses, ref_losses)
+        errors = {k: _relative(run["full"][k], ref["full"][k]) for k in ref["full"]}
+        assert max(errors.values()) < 1e-5, sorted(errors.items(), key=lambda kv: -kv[1])[:3]
+        assert [h["participants"] for h in run["history"]] == [2] * STEPS
+        assert all(h["committed"] for h in run["history"])
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+@pytest.mark.timeout(700)
+def test_the_groups_hold_bitwise_equal_shards_without_a_fault(no_fault):
+    groups = no_fault["groups"]
+    for rank in (0, 1):
+        a, b = groups[f"0_{rank}"]["local"], groups[f"1_{rank}"]["local"]
+        assert all(torch.equal(a[k], b[k]) for k in a)
+
+
+KILL_AT, KILL_STEPS = 4, 12
+RECOVERY_BOUND_S = 60  # kill -> the survivors' next committed step: heartbeat timeout (3 s) + one step, with margin
+
+
+def _kill_scenario(tmp, tp: int, pp: int) -> dict:
+    """2 groups x 2 processes; group 1 SIGKILLed (all its processes) in the middle of the first step from KILL_AT on
+    that both groups are in, then restarted by its torchrun (--max-restarts 1)."""
+    return run_groups(tmp, 2, {"TP": tp, "PP": pp, "STEPS": KILL_STEPS, "KILL_AT": KILL_AT, "STEP_SLEEP": 1},
+                      min_replicas=1, timeout=900, max_restarts=1)
+
+
+def _check_kill_and_rejoin(records: dict) -> None:
+    live, back = records["0_0"], records["1_0"]
+    killed_at, restarted = records["killed_at"], records["restarted"]
+    # The surviving group never restarted: one pid per rank over every step, restart count 0.
+    for rank in (0, 1):
+        steps = records[f"0_{rank}"]["steps"]
+        # (a group that started after the other heals at its first quorum: its first step may be 2 or later)
+        assert [s["step"] for s in steps] == list(range(steps[0]["step"], KILL_STEPS + 1))
+        assert steps[0]["step"] < KILL_AT
+        assert {s["pid"] for s in steps} == {records[f"0_{rank}"]["pid"]} and {s["restart"] for s in steps} == {0}
+    # The step that met the dead group was discarded; the next ones ran with the survivors only, and the first of them
+    # committed within the stated bound.
+    by_step = {h["step"]: h for h in live["history"]}
+    during = [s for s in live["steps"] if s["time"] > killed_at]
+    assert not during[0]["committed"] and during[0]["participants"] == 2, during[0]
+    first_alone = next(s for s in during if s["committed"])
+    assert first_alone["participants"] == 1
+    assert first_alone["time"] - killed_at < RECOVERY_BOUND_S, first_alone["time"] - killed_at
+    # The killed group came back (a new process), healed from the live group and took part again.
+    assert restarted > killed_at
+    assert {s["restart"] for s in back["steps"]} == {1}
+    first_back = back["steps"][0]
+    assert first_back["healed_at"] is not None and first_back["step"] > during[0]["step"], first_back
+    assert first_back["participants"] == 2 and by_step[first_back["step"]]["participants"] == 2
+    assert [s["step"] for s in back["steps"]] == list(range(first_back["step"], KILL_STEPS + 1))
+    # Same weights, bitwise, on both groups at the end; every logged loss finite; the steps each group took part in.
+    for rank in (0, 1):
+        a, b = records[f"0_{rank}"]["local"], records[f"1_{rank}"]["local"]
+        assert set(a) == set(b) and all(torch.equal(a[k], b[k]) for k in a), rank
+    assert all(math.isfinite(s["loss"]) for s in live["steps"] + back["steps"])
+    assert [h["participants"] for h in live["history"]][-1] == 2
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+@pytest.mark.timeout(1000)
+def test_a_killed_replica_group_heals_and_rejoins_while_the_other_trains_on(tmp_path):
+    _check_kill_and_rejoin(_kill_scenario(tmp_path, tp=2, pp=1))
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+@pytest.mark.timeout(1000)
+def test_a_killed_pipeline_replica_group_heals_and_rejoins(tmp_path):
+    _check_kill_and_rejoin(_kill_scenario(tmp_path, tp=1, pp=2))
+
+
+# ---------------------------------------------------------------- bad input (one process, no launch)
+
+from lightning_hybrid.distributed.fault_tolerance import check_fault_tolerance  # noqa: E402
+
+GOOD_ENV = {"REPLICA_GROUP_ID": "1", "NUM_REPLICA_GROUPS": "2", "TORCHFT_LIGHTHOUSE": "http://127.0.0.1:29510"}
+
+
+def test_the_replica_group_comes_from_torchfts_environment():
+    env, timeout = check_fault_tolerance("torchft", 2, 30, GOOD_ENV)
+    assert timeout == 30.0
+    assert (env.group_id, env.num_groups, env.lighthouse, env.min_replica_groups) == (1, 2, GOOD_ENV[
+        "TORCHFT_LIGHTHOUSE"], 2)
+    assert check_fault_tolerance(None, 1, 60, {}) == (None, 60.0)
+
+
+def test_torchft_without_its_environment_names_the_missing_variables():
+    with pytest.raises(ValueError, match=r"needs NUM_REPLICA_GROUPS, TORCHFT_LIGHTHOUSE in the environment"):
+        check_fault_tolerance("torchft", 1, 60, {"REPLICA_GROUP_ID": "0"})
+
+
+@pytest.mark.parametrize("env, match", [
+    ({**GOOD_ENV, "REPLICA_GROUP_ID": "2"}, r"REPLICA_GROUP_ID=2 with NUM_REPLICA_GROUPS=2: .* in 0\.\.1"),
+    ({**GOOD_ENV, "REPLICA_GROUP_ID": "one"}, r"REPLICA_GROUP_ID='one' is not an integer"),
+])
+def test_an_inconsistent_replica_group_environment_is_one_line(env, match):
+    with pytest.raises(ValueError, match=match) as err:
+        check_fault_tolerance("torchft", 1, 60, env)
+    assert "\n" not in str(err.value)
+
+
+def test_more_min_replica_groups_than_groups_is_refused():
+    with pytest.raises(ValueError, match=r"min_replica_groups=3 is larger than NUM_REPLICA_GROUPS=2; use 1\.\.2"):
+        check_fault_tolerance("torchft", 3, 60, GOOD_ENV)
+
+
+def test_a_non_positive_cross_group_timeout_is_refused():
+    with pytest.raises(ValueError, match=r"ft_timeout=0 must be a positive number of seconds"):
+        check_fault_tolerance("torchft", 1, 0, GOOD_ENV)
+
+
+def test_an_unknown_fault_tolerance_is_refused():
+    with pytest.raises(ValueError, match=r"fault_tolerance='torchelastic' is not known; use None or 'torchft'"):
+        check_fault_tolerance("torchelastic", 1, 60, GOOD_ENV)
+
+
+def test_torchft_missing_names_the_extra(monkeypatch):
+    monkeypatch.setitem(sys.modules, "torchft", None)  # `import torchft` now raises ImportError
+    with pytest.raises(ImportError, match=r"pip install 'lightning-hybrid\[ft\]'"):
+        check_fault_tolerance("torchft", 1, 60, GOOD_ENV)
+
+
+def test_the_strategy_refuses_torchft_without_environment_on_construction(monkeypatch):
+    from lightning_hybrid import HybridParallelStrategy
+
+    for name in GOOD_ENV:
+        monkeypatch.delenv(name, raising=False)
+    with pytest.raises(ValueError, match="REPLICA_GROUP_ID, NUM_REPLICA_GROUPS, TORCHFT_LIGHTHOUSE"):
+        HybridParallelStrategy(tp=2, fault_tolerance="torchft")
+
+
+def test_the_cli_reports_a_bad_lighthouse_request_in_one_line():
+    result = subprocess.run([sys.executable, "-m", "lightning_hybrid.cli", "lighthouse", "--min-replicas", "0"],
+                            capture_output=True, text=True, timeout=300)
+    assert result.returncode == 2, result.stderr
+    assert result.stderr.strip().splitlines()[-1].endswith(
+        "--min-replicas 0 must be a positive integer (replica groups a quorum needs)")
+    assert "Traceback" not in result.stderr

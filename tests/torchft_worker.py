@@ -1,0 +1,112 @@
+"""One replica group of a torchft job (``fault_tolerance="torchft"``), launched with torchrun by the torchft tests.
+
+Environment: OUT (results folder), STEPS, TP, PP, DP_SHARD (data_parallel="hsdp" reference: 4 processes, no torchft),
+REFERENCE (1: train as one launch without torchft), KILL_AT (group KILL_GROUP's rank 0 SIGKILLs every process of
+its group in the middle of the first step from there on that both groups are in, first attempt only; while
+degraded, group 0 then waits for the killed group's restart and pauses STEP_SLEEP seconds per step, so that it
+rejoins while the other still trains), plus torchft's REPLICA_GROUP_ID, NUM_REPLICA_GROUPS and
+TORCHFT_LIGHTHOUSE. Each rank writes ``<OUT>/<group>_<rank>.pt``: per step its pid, loss and the manager's history,
+and at the end its local weight shards (compared bitwise across groups) and the group's full weights.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+from pathlib import Path
+
+import lightning as L
+import torch
+import torch.distributed as dist
+
+from helpers.equivalence import GLOBAL_BATCH, SEED, make_dataset, make_trainer_kwargs, tiny_config
+from helpers.gather import full_weights, gather_objects
+from helpers.worker_exit import end_worker
+from lightning_hybrid import HybridParallelStrategy
+from lightning_hybrid.models import CausalLM
+
+
+def env(name: str, default: str = "") -> str:
+    return os.environ.get(name, default)
+
+
+class Record(L.Callback):
+    """Per step: the pid, the logged global loss, and (torchft) the quorum's size and whether the step committed."""
+
+    def __init__(self) -> None:
+        self.steps: list[dict] = []
+        self.group = env("REPLICA_GROUP_ID", "ref")
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        groups = trainer.strategy.replica_groups
+        last = groups.history[-1] if groups is not None and groups.history else {}
+        weights = sum(float((p._local_tensor if hasattr(p, "_local_tensor") else p).double().sum())
+                      for p in pl_module.model.parameters())
+        optimizer = trainer.optimizers[0]
+        adam_steps = sorted({float(s["step"]) for s in optimizer.state.values() if "step" in s})
+        self.steps.append({"step": trainer.global_step, "pid": os.getpid(), "time": time.time(), "weights": weights,
+                           "lr": optimizer.param_groups[0]["lr"], "adam_steps": adam_steps,
+                           "loss": float(trainer.callback_metrics["train_loss"]),
+                           "restart": int(env("TORCHELASTIC_RESTART_COUNT", "0")), **last})
+        if self.group == "0" and env("KILL_AT") and last.get("participants", 2) < 2:
+            # Degraded: give the killed group time to come back before this one ends (its restart takes 15-60 s
+            # here); then a short pause per step until the group is back in the quorum.
+            deadline = time.monotonic() + 240
+            while not Path(env("OUT"), "restarted").exists() and time.monotonic() < deadline:
+                time.sleep(0.2)
+            time.sleep(float(env("STEP_SLEEP", "1")))
+
+    def on_before_backward(self, trainer, pl_module, loss) -> None:
+        # Killed in the middle of a step, after the quorum with both groups formed and the loss's token count was
+        # averaged across them: the survivors' gradient all-reduce meets a dead peer and torchft discards the step.
+        kill_at, groups = int(env("KILL_AT", "0")), trainer.strategy.replica_groups
+        if (kill_at and trainer.global_step + 1 >= kill_at and self.group == env("KILL_GROUP", "1")
+                and env("TORCHELASTIC_RESTART_COUNT", "0") == "0" and groups.participants() == 2):
+            pids = gather_objects(os.getpid())
+            if trainer.global_rank == 0:  # the whole group dies at once, as when its node is lost
+                Path(env("OUT"), "killed_at").write_text(str(time.time()))
+                for pid in pids[1:]:
+                    os.kill(pid, signal.SIGKILL)
+                os.kill(os.getpid(), signal.SIGKILL)
+            time.sleep(60)
+
+
+def main() -> None:
+    out = Path(env("OUT"))
+    steps, tp, pp = int(env("STEPS", "8")), int(env("TP", "1")), int(env("PP", "1"))
+    world = int(env("WORLD_SIZE"))
+    L.seed_everything(SEED)
+    reference = env("REFERENCE") == "1"
+    if reference:
+        strategy = HybridParallelStrategy(tp=tp, pp=pp, data_parallel="hsdp", dp_shard=int(env("DP_SHARD", "1")))
+        data_ranks = world // (tp * pp)
+    else:
+        strategy = HybridParallelStrategy(tp=tp, pp=pp, fault_tolerance="torchft",
+                                          min_replica_groups=int(env("MIN_GROUPS", "1")))
+        data_ranks = world // (tp * pp) * int(env("NUM_REPLICA_GROUPS"))
+    kwargs = {**make_trainer_kwargs()["trainer"], "max_steps": steps, "val_check_interval": None,
+              "limit_val_batches": 0}
+    record = Record()
+    if env("TORCHELASTIC_RESTART_COUNT", "0") != "0" and env("RANK") == "0":
+        Path(out, "restarted").write_text(str(time.time()))
+    elif not reference:  # a first start: every group gets here before any joins a quorum (the machine is slow)
+        Path(out, f"ready_{env('REPLICA_GROUP_ID')}_{env('RANK')}").write_text("")
+        while len(list(Path(out).glob("ready_*"))) < world * int(env("NUM_REPLICA_GROUPS")):
+            time.sleep(0.1)
+    trainer = L.Trainer(strategy=strategy, devices=world, callbacks=[record], **kwargs)
+    module = CausalLM(tiny_config(), **make_trainer_kwargs()["module"])
+    train, _ = make_dataset(GLOBAL_BATCH // data_ranks)
+    trainer.fit(module, train_dataloaders=train)
+    local = {name: (p._local_tensor if hasattr(p, "_local_tensor") else p).detach().clone()
+             for name, p in module.model.named_parameters()}
+    result = {"steps": record.steps, "local": local, "full": full_weights(module.model),
+              "history": trainer.strategy.replica_group_history,
+              "pid": os.getpid()}
+    torch.save(result, out / f"{record.group}_{trainer.global_rank}.pt")
+    dist.barrier()
+
+
+if __name__ == "__main__":
+    main()
+    end_worker()
