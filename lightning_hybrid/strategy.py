@@ -24,6 +24,7 @@ from lightning_hybrid.data.sampler import batch_size_of, data_position, resumabl
 from lightning_hybrid.distributed.clip_grad import use_global_norm_clipping
 from lightning_hybrid.distributed.context_parallel import shard_batch
 from lightning_hybrid.distributed.data_parallel import all_reducing
+from lightning_hybrid.distributed.declared import parallelize_declared
 from lightning_hybrid.distributed.elastic import init_round_process_group
 from lightning_hybrid.distributed.fault_tolerance import (
     ReplicaGroups,
@@ -31,21 +32,15 @@ from lightning_hybrid.distributed.fault_tolerance import (
     data_share,
     join_replica_groups,
 )
-from lightning_hybrid.distributed.float8 import check_float8_device, precompute_float8_scales
+from lightning_hybrid.distributed.float8 import precompute_float8_scales
 from lightning_hybrid.distributed.heartbeat import HANG_TIMEOUT, attach_hang_detector, check_hang_timeout
-from lightning_hybrid.distributed.init_weights import initialize_declared, move_buffers
+from lightning_hybrid.distributed.init_weights import move_buffers
 from lightning_hybrid.distributed.parallel_dims import ParallelDims, build_mesh, checkpoint_groups, lightning_mesh
-from lightning_hybrid.distributed.parallelize import (
-    ParallelOptions,
-    check_options,
-    parallelize,
-    require_meta,
-    setup_runtime,
-)
-from lightning_hybrid.distributed.pipeline.runner import PipelineRunner, build_pipeline, report_bubble
+from lightning_hybrid.distributed.parallelize import ParallelOptions, check_device_options, check_options, require_meta
+from lightning_hybrid.distributed.pipeline.runner import PipelineRunner, report_bubble
 from lightning_hybrid.distributed.pipeline.schedules import PP_SCHEDULES
 from lightning_hybrid.distributed.step_guard import StepGuard
-from lightning_hybrid.distributed.tensor_parallel import check_async_tp, full_vocabulary
+from lightning_hybrid.distributed.tensor_parallel import full_vocabulary
 from lightning_hybrid.models.spec import ParallelSpec
 from lightning_hybrid.planner.auto_setup import auto_fields, check_strategy_request, resolve_auto
 
@@ -67,14 +62,12 @@ class HybridParallelStrategy(ModelParallelStrategy):
         tp: tensor-parallel size; keep it within a node. ``"auto"`` here and in the seven options below: planned.
         pp: pipeline-parallel size.
         dp: data-parallel size; ``None`` infers ``world_size // (tp * pp)``.
-        data_parallel: ``"fsdp"`` (FSDP2, ZeRO-3 sharding over ``dp``) or ``"replicate"`` (full copies,
-            gradients all-reduced).
+        data_parallel: ``"fsdp"`` (FSDP2, ZeRO-3 over ``dp``), ``"hsdp"`` or ``"replicate"`` (gradients all-reduced).
         sequence_parallel: shard norms and residuals over the sequence inside a TP group.
         pp_schedule: a schedule of ``torch.distributed.pipelining`` (see ``PP_SCHEDULES``), case-insensitive.
         microbatches: micro-batches per pipeline step; ``None`` picks ``2 * pp * virtual_stages``.
         virtual_stages: pipeline stages per rank (interleaved and zero-bubble schedules need 2 or more).
-        pp_split_points: explicit stage boundaries: block names where a stage starts (``["layers.40"]``) or
-            a list of block counts per stage; ``None`` balances by cost.
+        pp_split_points: block names where a stage starts (``["layers.40"]``), or blocks per stage; None: balanced.
         activation_checkpointing: ``"none"``, ``"selective"`` or ``"full"``; and ``selective_ac``: what ``"selective"``
             recomputes, ``"op"``, ``"attention"`` or every k-th block (see :mod:`~.distributed.activation_checkpoint`).
         compile: ``torch.compile`` each block (after TP and recompute, before FSDP).
@@ -84,10 +77,8 @@ class HybridParallelStrategy(ModelParallelStrategy):
         save_distributed_checkpoint: each rank writes its shards (``True``) or rank 0 a full file.
         process_group_backend: ``"nccl"``/``"gloo"``; ``None`` chooses by device.
         timeout: timeout of collectives; a dead peer ends the run with a timeout error instead of a hang.
-        hang_timeout: seconds without progress after which every rank ends itself naming the hung rank (default
-            600, ``HANG_TIMEOUT``; ``None``: off).
-        data_parallel_size: Lightning's name of ``dp``; ``"auto"``: the number of nodes.
-        tensor_parallel_size: Lightning's name of ``tp``; ``"auto"``: the devices per node.
+        hang_timeout: seconds without progress after which every rank exits naming the hung rank (600; None: off).
+        data_parallel_size, tensor_parallel_size: Lightning's names of dp, tp; ``"auto"``: nodes, devices per node.
         cp: context-parallel size (sequences split, ring attention); ``dp_shard``: HSDP's shard group (``"hsdp"``).
         loss_parallel, bf16_compute_weights, fsdp_reshard_after_forward, async_tp: see docs/performance.md.
         float8: ``None``, ``"tensorwise"``, ``"rowwise"`` or ``"mxfp8"``: float8 block linears (:mod:`~.float8`).
@@ -161,10 +152,7 @@ class HybridParallelStrategy(ModelParallelStrategy):
         return self._dims
 
     def declared_model_runner(self) -> Optional[PipelineRunner]:
-        """What a declared model's LightningModule asks its strategy: the pipeline runner, or ``None`` (pp=1).
-
-        Its presence also tells the module that this strategy shards and materializes a meta-device model.
-        """
+        """The pipeline runner or ``None`` (pp=1); its presence tells a declared module the strategy builds it."""
         return self.pipeline
 
     @property
@@ -182,8 +170,7 @@ class HybridParallelStrategy(ModelParallelStrategy):
         module = self.lightning_module
         spec_fn = getattr(module, "parallel_spec", None)
         self._spec = spec_fn() if callable(spec_fn) else None
-        check_async_tp(self.options, self.root_device.type, self._get_process_group_backend())
-        check_float8_device(self.options.float8, self.root_device)
+        check_device_options(self.options, self.root_device, self._get_process_group_backend())
         if auto_fields(self.options):  # planned in setup_environment, once the process group exists
             return check_strategy_request(self)
         self._dims = check_options(self.options, self.num_nodes * self.num_processes,
@@ -226,7 +213,7 @@ class HybridParallelStrategy(ModelParallelStrategy):
             raise TypeError(f"{name}.configure_model() did not set `self.model`")
         if model is not self._parallelized:  # a validate/test/predict after fit reuses the model built for fit
             require_meta(model, name)
-            self._parallelize_declared(model)
+            parallelize_declared(self, model)  # or this rank's pipeline stages; then initialized
             self._parallelized = self.lightning_module.model
         if self.pipeline is not None:
             self.pipeline.grad_scale = 1.0 / max(1, trainer.accumulate_grad_batches)
@@ -246,21 +233,6 @@ class HybridParallelStrategy(ModelParallelStrategy):
         if self.replica_groups is None or group is not None:
             return result
         return self.replica_groups.average_in_step(result)
-
-    def _parallelize_declared(self, model: torch.nn.Module) -> None:
-        """Parallelize and materialize the declared model (or this rank's pipeline stages), then initialize it."""
-        dims, args = self.dims, (self.options, self.dims, self.device_mesh)
-        rest = (self.root_device, self._precision, self.precision_plugin.convert_module)
-        seed = self.broadcast(self.lightning_module.init_seed())
-        if dims.pp > 1:
-            pp_rank = dims.coordinates(self.global_rank)["pp"]
-            self.pipeline = build_pipeline(model, self._spec, *args, pp_rank, *rest, self.lightning_module.num_blocks())
-            self.lightning_module.model = self.pipeline.container
-        else:
-            parallelize(model, self._spec, *args, *rest)
-        initialize_declared(self.lightning_module, self.lightning_module.model, model, seed)
-        self.weight_casts, self._loss_parallel = setup_runtime(self.options, dims, self._precision,
-                                                               self.precision_plugin, self.lightning_module.model)
 
     @override
     def model_to_device(self) -> None:

@@ -301,6 +301,16 @@ def check_options(options: ParallelOptions, world_size: int, devices_per_node: O
     return dims
 
 
+def check_device_options(options: ParallelOptions, device: torch.device, backend: str) -> None:
+    """Raise the one-line errors of the options the device and backend decide (async TP, float8's recipe), on every
+    rank before the process group exists."""
+    from lightning_hybrid.distributed.float8 import check_float8_device
+    from lightning_hybrid.distributed.tensor_parallel import check_async_tp
+
+    check_async_tp(options, device.type, backend)
+    check_float8_device(options.float8, device)
+
+
 def require_meta(model: nn.Module, module_name: str) -> None:
     """Raise unless ``model`` is still on the meta device (so it can be sharded before it is allocated)."""
     if not any(p.is_meta for p in model.parameters()):
