@@ -74,6 +74,21 @@ def _kill_scenario(tmp, tp: int, pp: int) -> dict:
                       min_replicas=1, timeout=900, max_restarts=1)
 
 
+def _expected_inputs(group: int, step: int, groups: int = 2, data_ranks_per_group: int = 1):
+    """The samples group ``group`` reads at global step ``step``: its share of global batch ``step`` in Lightning's
+    DistributedSampler order (shuffled per epoch from the seed; rank ``g`` of ``groups x dp`` data ranks)."""
+    from helpers.equivalence import GLOBAL_BATCH, SEED, make_tensors
+
+    inputs = make_tensors()[0][:48]  # the training split
+    per_epoch = len(inputs) // GLOBAL_BATCH
+    epoch, k = divmod(step - 1, per_epoch)
+    order = torch.randperm(len(inputs), generator=torch.Generator().manual_seed(SEED + epoch))
+    ranks = groups * data_ranks_per_group
+    mine = order[group::ranks]
+    per_rank = GLOBAL_BATCH // ranks
+    return inputs[mine[k * per_rank:(k + 1) * per_rank]]
+
+
 def _check_kill_and_rejoin(records: dict) -> None:
     live, back = records["0_0"], records["1_0"]
     killed_at, restarted = records["killed_at"], records["restarted"]
@@ -104,6 +119,11 @@ def _check_kill_and_rejoin(records: dict) -> None:
         a, b = records[f"0_{rank}"]["local"], records[f"1_{rank}"]["local"]
         assert set(a) == set(b) and all(torch.equal(a[k], b[k]) for k in a), rank
     assert all(math.isfinite(s["loss"]) for s in live["steps"] + back["steps"])
+    # Each group reads its own share of every global batch; the healed group continues at the live group's data
+    # position (the share of the steps it missed is skipped, not redistributed: the live group's shares are unchanged).
+    for group, run in ((0, live), (1, back)):
+        for s in run["steps"]:
+            assert torch.equal(s["inputs"], _expected_inputs(group, s["step"])), (group, s["step"])
     assert [h["participants"] for h in live["history"]][-1] == 2
 
 

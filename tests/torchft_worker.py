@@ -38,6 +38,9 @@ class Record(L.Callback):
         self.steps: list[dict] = []
         self.group = env("REPLICA_GROUP_ID", "ref")
 
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
+        self.inputs = batch[0].detach().cpu().clone()  # the samples this group's rank trains on in this step
+
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
         groups = trainer.strategy.replica_groups
         last = groups.history[-1] if groups is not None and groups.history else {}
@@ -46,7 +49,7 @@ class Record(L.Callback):
         optimizer = trainer.optimizers[0]
         adam_steps = sorted({float(s["step"]) for s in optimizer.state.values() if "step" in s})
         self.steps.append({"step": trainer.global_step, "pid": os.getpid(), "time": time.time(), "weights": weights,
-                           "lr": optimizer.param_groups[0]["lr"], "adam_steps": adam_steps,
+                           "lr": optimizer.param_groups[0]["lr"], "adam_steps": adam_steps, "inputs": self.inputs,
                            "loss": float(trainer.callback_metrics["train_loss"]),
                            "restart": int(env("TORCHELASTIC_RESTART_COUNT", "0")), **last})
         if self.group == "0" and env("KILL_AT") and last.get("participants", 2) < 2:
