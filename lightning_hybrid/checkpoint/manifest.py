@@ -15,7 +15,7 @@ import shutil
 import zlib
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterable, Union
+from typing import Any, Callable, Iterable, Optional, Union
 
 __all__ = ["MANIFEST", "LATEST", "step_dirname", "file_record", "write_manifest",
            "CheckpointError", "committed_checkpoints", "set_aside_newer", "update_latest", "purge_old",
@@ -126,12 +126,15 @@ def update_latest(dirpath: Path, folder: Path) -> None:
     _write_atomically(Path(dirpath) / LATEST, folder.name + "\n")
 
 
-def purge_old(dirpath: Path, keep_last: int, protect: Iterable[Path] = ()) -> list[Path]:
+def purge_old(dirpath: Path, keep_last: int, protect: Iterable[Path] = (),
+              owns: Optional[Callable[[Path], bool]] = None) -> list[Path]:
     """Delete committed checkpoints beyond the newest ``keep_last``, never one in ``protect``; and stale ``.tmp``
-    folders. Returns the deleted folders."""
+    folders. With ``owns``, only the checkpoints it accepts (a run's own lineage) are counted and deleted. Returns
+    the deleted folders."""
     protected = {Path(p).resolve() for p in protect}
     removed = []
-    for old in committed_checkpoints(dirpath)[keep_last:]:
+    candidates = [c for c in committed_checkpoints(dirpath) if owns is None or owns(c.path)]
+    for old in candidates[keep_last:]:
         if old.path.resolve() not in protected:
             shutil.rmtree(old.path, ignore_errors=True)
             removed.append(old.path)

@@ -86,6 +86,7 @@ def _info(ctx: CheckpointContext, checkpoint: dict[str, Any]) -> dict[str, Any]:
     config = getattr(module, "config", None)
     return {
         "step": int(checkpoint.get("global_step", 0)),
+        "run_id": checkpoint.get("hybrid", {}).get("run_id"),  # the run lineage (checkpoint/lineage.py)
         "epoch": int(checkpoint.get("epoch", 0)),
         "data_position": checkpoint.get("hybrid", {}).get("data_position"),
         "mesh": dict(ctx.layout),
@@ -147,7 +148,7 @@ def begin_save(ctx: CheckpointContext, checkpoint: dict[str, Any], folder: Path,
     ``optimizer_states`` replaced by the sharded model/optimizer state) into ``folder``."""
     checkpoint.pop("state_dict", None)
     checkpoint.pop("optimizer_states", None)
-    checkpoint["hybrid"] = {"data_position": ctx.data_position}
+    checkpoint["hybrid"] = {**checkpoint.get("hybrid", {}), "data_position": ctx.data_position}  # keeps run_id
     import torch.distributed as dist
 
     started = time.perf_counter()
