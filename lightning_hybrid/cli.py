@@ -111,8 +111,9 @@ def check_before_launch(trainer: Any, model: Any, datamodule: Any) -> None:
     strategy = trainer.strategy
     if not isinstance(strategy, HybridParallelStrategy):
         return
-    spec_fn = getattr(model, "parallel_spec", None)
-    spec = spec_fn() if callable(spec_fn) else None
+    from lightning_hybrid.models.spec import declared_spec
+
+    spec = declared_spec(model)
     devices = trainer.num_devices
     options = strategy.options
     check_options(options, devices * trainer.num_nodes, devices if trainer.num_nodes > 1 else None, spec,
