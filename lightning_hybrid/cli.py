@@ -12,6 +12,7 @@ from __future__ import annotations
 import importlib
 import os
 import sys
+from argparse import ArgumentError
 from pathlib import Path
 from typing import Any, Callable, Optional
 
@@ -35,6 +36,7 @@ LIGHTNING_SUBCOMMANDS = {
 EXIT_USER_ERROR = 2  # argparse's code for a bad command line
 DEBUG_ENV = "LIGHTNING_HYBRID_DEBUG"
 _PACKAGE_DIR = str(Path(__file__).resolve().parent)
+_PARSERS: list = []  # the LightningCLI parsers of this command, for the keys an unknown one is compared with
 
 
 def _usage() -> str:
@@ -158,6 +160,13 @@ def _cli_class() -> type:
         """LightningCLI that checks the job before Lightning launches its processes (its ``before_<subcommand>``
         hooks run after the classes are built and before the Trainer starts anything)."""
 
+        def init_parser(self, **kwargs: Any) -> Any:
+            # A parse error raises (jsonargparse's ArgumentError) instead of printing the whole usage: main() turns it
+            # into one line (cli_errors.py). `--help` still prints the full usage.
+            parser = super().init_parser(**{**kwargs, "exit_on_error": False})
+            _PARSERS.append(parser)
+            return parser
+
         def before_instantiate_classes(self) -> None:
             # jsonargparse folds a constructor's error into its own multi-line message; build the strategy from its
             # parsed arguments first, so a bad value raises the strategy's own one-line error.
@@ -224,6 +233,13 @@ def main(argv: Optional[list[str]] = None) -> int:
             return int(_tool(TOOLS[command][0])(argv[1:]) or 0)
         _lightning_cli(argv, explicit)  # not explicit: LightningCLI reads sys.argv itself
         return 0
+    except ArgumentError as err:  # a config/command-line parse error of LightningCLI (jsonargparse)
+        from lightning_hybrid.cli_errors import parse_error_line
+
+        if os.environ.get(DEBUG_ENV) == "1":
+            raise
+        keys = [a.dest for p in _PARSERS for a in p._actions if isinstance(a.dest, str)]
+        return _fail(command, parse_error_line(str(err), keys))
     except Exception as err:  # noqa: BLE001 - a user's mistake becomes one line; anything else is re-raised
         message = user_error_message(err)
         if message is None or os.environ.get(DEBUG_ENV) == "1":
