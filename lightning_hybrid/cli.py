@@ -96,10 +96,30 @@ def user_error_message(err: BaseException) -> Optional[str]:
     return None
 
 
-def check_before_launch(trainer: Any, model: Any, datamodule: Any) -> None:
-    """What the parsed config alone decides: the strategy's sizes against the devices and the model, the
-    micro-batches against the per-rank batch size, the sequence length against cp, and that a checkpoint folder to
-    resume from holds this model. Runs before any worker process starts.
+def check_files(model: Any, ckpt_path: Optional[str] = None) -> None:
+    """The files the config names: ``--ckpt_path`` exists, and a local ``init_from_hf`` folder exists and holds
+    readable safetensors files of this model (headers only). Before any worker process starts.
+
+    Raises:
+        FileNotFoundError: a missing file or folder, named.
+        ValueError: a damaged safetensors file (named), or weights of another model.
+    """
+    if ckpt_path and ckpt_path not in ("last", "best", "hpc", "registry") and "://" not in str(ckpt_path) \
+            and not Path(ckpt_path).expanduser().exists():
+        raise FileNotFoundError(f"--ckpt_path {ckpt_path}: no such file or folder")
+    init_from_hf = getattr(model, "hparams", {}).get("init_from_hf")
+    config = getattr(model, "config", None)
+    if init_from_hf and config is not None:
+        from lightning_hybrid.models.qwen2.hf import check_hf_folder
+
+        check_hf_folder(init_from_hf, config)
+
+
+def check_before_launch(trainer: Any, model: Any, datamodule: Any, ckpt_path: Optional[str] = None) -> None:
+    """What the parsed config alone decides: the files it names (:func:`check_files`), the strategy's sizes against
+    the devices and the model, the micro-batches against the per-rank batch size, the sequence length against cp,
+    and that a checkpoint folder to resume from holds this model and no other run. Runs before any worker process
+    starts.
 
     Raises:
         ValueError: naming the bad value and what would fit.
@@ -110,6 +130,7 @@ def check_before_launch(trainer: Any, model: Any, datamodule: Any) -> None:
     from lightning_hybrid.distributed.pipeline.schedules import check_batch_splits
     from lightning_hybrid.strategy import HybridParallelStrategy
 
+    check_files(model, ckpt_path)
     strategy = trainer.strategy
     if not isinstance(strategy, HybridParallelStrategy):
         return
@@ -130,6 +151,7 @@ def check_before_launch(trainer: Any, model: Any, datamodule: Any) -> None:
     for callback in trainer.callbacks:
         if isinstance(callback, FaultTolerantCheckpoint):
             callback.check_model_matches(config.to_dict() if hasattr(config, "to_dict") else None)
+            callback.check_lineage(ckpt_path)
 
 
 def check_strategy_arguments(strategy: Any) -> None:
@@ -174,7 +196,8 @@ def _cli_class() -> type:
             check_strategy_arguments(config.get("trainer", {}).get("strategy"))
 
         def _check(self) -> None:
-            check_before_launch(self.trainer, self.model, self.datamodule)
+            config = self.config.get(self.subcommand) if self.subcommand else self.config
+            check_before_launch(self.trainer, self.model, self.datamodule, config.get("ckpt_path"))
 
         before_fit = before_validate = before_test = before_predict = _check
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import sys
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
@@ -176,6 +177,7 @@ def prepare_data(tokenizer: Union[str, Tokenizer], inputs: Sequence[Union[str, P
     out = Path(output)
     if (out / INDEX_FILE).exists() and not overwrite:
         raise ValueError(f"{out} already holds prepared data; choose a new folder or pass --overwrite")
+    created = not out.exists()  # removed again when nothing is written
     out.mkdir(parents=True, exist_ok=True)
     (out / INDEX_FILE).unlink(missing_ok=True)
     partial = out / (TOKENS_FILE + ".partial")
@@ -202,8 +204,12 @@ def prepare_data(tokenizer: Union[str, Tokenizer], inputs: Sequence[Union[str, P
         raise
     if num_tokens < seq_len + 1:
         partial.unlink()
-        raise ValueError(f"the inputs give {num_tokens} tokens, fewer than one sequence of seq_len={seq_len} "
-                         f"needs ({seq_len + 1}); add text or lower --seq-len")
+        if created:
+            shutil.rmtree(out, ignore_errors=True)
+        names = ", ".join(map(str, inputs[:3])) + (f" and {len(inputs) - 3} more" if len(inputs) > 3 else "")
+        raise ValueError(f"the inputs ({names}) give {num_tokens} tokens, fewer than one sequence "
+                         f"of seq_len={seq_len} needs ({seq_len + 1}); add text or lower --seq-len"
+                         f"{'; nothing was written' if created else ''}")
     os.replace(partial, out / TOKENS_FILE)
     index = {
         "format": "lightning-hybrid packed tokens", "version": 1, "seq_len": seq_len, "num_tokens": num_tokens,
@@ -236,7 +242,7 @@ def prepare_main(argv: Optional[Sequence[str]] = None) -> int:
                              args.eos_token, args.batch_size, args.overwrite)
     except (FileNotFoundError, ValueError) as err:
         print(f"lightning-hybrid prepare-data: error: {err}", file=sys.stderr)
-        return 1
+        return 2  # a user's mistake: the exit code of every lightning-hybrid subcommand for one
     print(f"wrote {index['num_tokens']} tokens from {index['documents']} documents "
           f"({index['num_sequences']} sequences of {index['seq_len']}) to {args.output}")
     return 0
