@@ -196,9 +196,7 @@ class HybridParallelStrategy(ModelParallelStrategy):
             # The LightningModule parallelized itself in configure_model (ModelParallelStrategy style); what it left
             # unsynchronized over dp is replicated (see distributed/self_parallel.py).
             super().setup(trainer)
-            if self._dims is not None and self._dims.dp > 1:
-                self._replicas = replicate_unsynchronized(self.model, self.lightning_module.device_mesh, self.dims.dp,
-                                                          type(self.lightning_module).__name__, rank_zero_info)
+            self._replicas = replicate_unsynchronized(self.model, self.lightning_module, self._dims, rank_zero_info)
             return None
         assert self.model is not None and self.accelerator is not None
         self.accelerator.setup(trainer)

@@ -154,6 +154,18 @@ def _batches(items: Iterable[str], size: int) -> Iterator[list[str]]:
         yield batch
 
 
+def _too_few_tokens(inputs: Sequence[Union[str, Path]], num_tokens: int, seq_len: int,
+                    created: Optional[Path]) -> ValueError:
+    """The error for inputs that give less than one sequence, naming them; removes ``created`` (the output folder
+    this call made), so nothing is left behind."""
+    if created is not None:
+        shutil.rmtree(created, ignore_errors=True)
+    names = ", ".join(map(str, inputs[:3])) + (f" and {len(inputs) - 3} more" if len(inputs) > 3 else "")
+    return ValueError(f"the inputs ({names}) give {num_tokens} tokens, fewer than one sequence of seq_len={seq_len} "
+                      f"needs ({seq_len + 1}); add text or lower --seq-len"
+                      f"{'; nothing was written' if created is not None else ''}")
+
+
 def prepare_data(tokenizer: Union[str, Tokenizer], inputs: Sequence[Union[str, Path]], output: Union[str, Path],
                  seq_len: int, text_key: str = "text", text_mode: str = "file", eos_token: Optional[str] = None,
                  batch_size: int = 256, overwrite: bool = False) -> dict[str, Any]:
@@ -204,12 +216,7 @@ def prepare_data(tokenizer: Union[str, Tokenizer], inputs: Sequence[Union[str, P
         raise
     if num_tokens < seq_len + 1:
         partial.unlink()
-        if created:
-            shutil.rmtree(out, ignore_errors=True)
-        names = ", ".join(map(str, inputs[:3])) + (f" and {len(inputs) - 3} more" if len(inputs) > 3 else "")
-        raise ValueError(f"the inputs ({names}) give {num_tokens} tokens, fewer than one sequence "
-                         f"of seq_len={seq_len} needs ({seq_len + 1}); add text or lower --seq-len"
-                         f"{'; nothing was written' if created else ''}")
+        raise _too_few_tokens(inputs, num_tokens, seq_len, out if created else None)
     os.replace(partial, out / TOKENS_FILE)
     index = {
         "format": "lightning-hybrid packed tokens", "version": 1, "seq_len": seq_len, "num_tokens": num_tokens,

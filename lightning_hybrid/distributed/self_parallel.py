@@ -18,6 +18,8 @@ from typing import TYPE_CHECKING, Any, Callable, Optional
 import torch
 from torch import nn
 
+from lightning_hybrid.distributed.parallel_dims import ParallelDims
+
 if TYPE_CHECKING:
     from torch.distributed import ProcessGroup
 
@@ -93,16 +95,18 @@ class DataParallelReplicas:
         return reduced
 
 
-def replicate_unsynchronized(module: nn.Module, mesh: Any, dp: int, module_name: str,
+def replicate_unsynchronized(module: nn.Module, lightning_module: Any, dims: Optional[ParallelDims],
                              log: Callable[[str], None]) -> Optional[DataParallelReplicas]:
-    """After ``configure_model`` of a self-parallelizing module on Lightning's 2-D ``mesh``
-    (``("data_parallel", "tensor_parallel")``): replicate, over dp, the parameters nothing synchronizes (see the
-    module docstring), logging that once. ``None`` when dp is 1 or every parameter is synchronized."""
-    if dp <= 1:
+    """After ``configure_model`` of a self-parallelizing ``lightning_module`` (its ``device_mesh`` is Lightning's 2-D
+    mesh ``("data_parallel", "tensor_parallel")``): replicate, over dp, the parameters of ``module`` nothing
+    synchronizes (see the module docstring), logging that once. ``None`` when dp is 1 (or unknown: the sizes were not
+    resolved) or every parameter is synchronized."""
+    if dims is None or dims.dp <= 1:
         return None
     import torch.distributed as dist
 
-    dp_mesh = mesh["data_parallel"]
+    dp, module_name = dims.dp, type(lightning_module).__name__
+    dp_mesh = lightning_module.device_mesh["data_parallel"]
     group = dp_mesh.get_group()
     ranks = dist.get_process_group_ranks(group)
     found = unsynchronized_parameters(module, ranks)
