@@ -231,6 +231,7 @@ def _lightning_cli(argv: list[str], explicit: bool) -> None:
     from lightning_hybrid.models import CausalLM
 
     _check_config_files(argv[1:])
+    _PARSERS.clear()
     _cli_class()(CausalLM, subclass_mode_data=True, args=argv if explicit else None,
                  save_config_kwargs={"overwrite": True}, auto_configure_optimizers=False)
 
