@@ -12,6 +12,7 @@ from __future__ import annotations
 import importlib
 import os
 import sys
+from argparse import ArgumentError
 from pathlib import Path
 from typing import Any, Callable, Optional
 
@@ -37,6 +38,7 @@ LIGHTNING_SUBCOMMANDS = {
 EXIT_USER_ERROR = 2  # argparse's code for a bad command line
 DEBUG_ENV = "LIGHTNING_HYBRID_DEBUG"
 _PACKAGE_DIR = str(Path(__file__).resolve().parent)
+_PARSERS: list = []  # the LightningCLI parsers of this command, for the keys an unknown one is compared with
 
 
 def _usage() -> str:
@@ -96,10 +98,30 @@ def user_error_message(err: BaseException) -> Optional[str]:
     return None
 
 
-def check_before_launch(trainer: Any, model: Any, datamodule: Any) -> None:
-    """What the parsed config alone decides: the strategy's sizes against the devices and the model, the
-    micro-batches against the per-rank batch size, the sequence length against cp, and that a checkpoint folder to
-    resume from holds this model. Runs before any worker process starts.
+def check_files(model: Any, ckpt_path: Optional[str] = None) -> None:
+    """The files the config names: ``--ckpt_path`` exists, and a local ``init_from_hf`` folder exists and holds
+    readable safetensors files of this model (headers only). Before any worker process starts.
+
+    Raises:
+        FileNotFoundError: a missing file or folder, named.
+        ValueError: a damaged safetensors file (named), or weights of another model.
+    """
+    if ckpt_path and ckpt_path not in ("last", "best", "hpc", "registry") and "://" not in str(ckpt_path) \
+            and not Path(ckpt_path).expanduser().exists():
+        raise FileNotFoundError(f"--ckpt_path {ckpt_path}: no such file or folder")
+    init_from_hf = getattr(model, "hparams", {}).get("init_from_hf")
+    config = getattr(model, "config", None)
+    if init_from_hf and config is not None:
+        from lightning_hybrid.models.qwen2.hf import check_hf_folder
+
+        check_hf_folder(init_from_hf, config)
+
+
+def check_before_launch(trainer: Any, model: Any, datamodule: Any, ckpt_path: Optional[str] = None) -> None:
+    """What the parsed config alone decides: the files it names (:func:`check_files`), the strategy's sizes against
+    the devices and the model, the micro-batches against the per-rank batch size, the sequence length against cp,
+    and that a checkpoint folder to resume from holds this model and no other run. Runs before any worker process
+    starts.
 
     Raises:
         ValueError: naming the bad value and what would fit.
@@ -110,11 +132,13 @@ def check_before_launch(trainer: Any, model: Any, datamodule: Any) -> None:
     from lightning_hybrid.distributed.pipeline.schedules import check_batch_splits
     from lightning_hybrid.strategy import HybridParallelStrategy
 
+    check_files(model, ckpt_path)
     strategy = trainer.strategy
     if not isinstance(strategy, HybridParallelStrategy):
         return
-    spec_fn = getattr(model, "parallel_spec", None)
-    spec = spec_fn() if callable(spec_fn) else None
+    from lightning_hybrid.models.spec import declared_spec
+
+    spec = declared_spec(model)
     devices = trainer.num_devices
     options = strategy.options
     check_options(options, devices * trainer.num_nodes, devices if trainer.num_nodes > 1 else None, spec,
@@ -129,6 +153,7 @@ def check_before_launch(trainer: Any, model: Any, datamodule: Any) -> None:
     for callback in trainer.callbacks:
         if isinstance(callback, FaultTolerantCheckpoint):
             callback.check_model_matches(config.to_dict() if hasattr(config, "to_dict") else None)
+            callback.check_lineage(ckpt_path)
 
 
 def check_strategy_arguments(strategy: Any) -> None:
@@ -159,6 +184,13 @@ def _cli_class() -> type:
         """LightningCLI that checks the job before Lightning launches its processes (its ``before_<subcommand>``
         hooks run after the classes are built and before the Trainer starts anything)."""
 
+        def init_parser(self, **kwargs: Any) -> Any:
+            # A parse error raises (jsonargparse's ArgumentError) instead of printing the whole usage: main() turns it
+            # into one line (cli_errors.py). `--help` still prints the full usage.
+            parser = super().init_parser(**{**kwargs, "exit_on_error": False})
+            _PARSERS.append(parser)
+            return parser
+
         def before_instantiate_classes(self) -> None:
             # jsonargparse folds a constructor's error into its own multi-line message; build the strategy from its
             # parsed arguments first, so a bad value raises the strategy's own one-line error.
@@ -166,7 +198,8 @@ def _cli_class() -> type:
             check_strategy_arguments(config.get("trainer", {}).get("strategy"))
 
         def _check(self) -> None:
-            check_before_launch(self.trainer, self.model, self.datamodule)
+            config = self.config.get(self.subcommand) if self.subcommand else self.config
+            check_before_launch(self.trainer, self.model, self.datamodule, config.get("ckpt_path"))
 
         before_fit = before_validate = before_test = before_predict = _check
 
@@ -200,6 +233,7 @@ def _lightning_cli(argv: list[str], explicit: bool) -> None:
     from lightning_hybrid.models import CausalLM
 
     _check_config_files(argv[1:])
+    _PARSERS.clear()
     _cli_class()(CausalLM, subclass_mode_data=True, args=argv if explicit else None,
                  save_config_kwargs={"overwrite": True}, auto_configure_optimizers=False)
 
@@ -225,6 +259,13 @@ def main(argv: Optional[list[str]] = None) -> int:
             return int(_tool(TOOLS[command][0])(argv[1:]) or 0)
         _lightning_cli(argv, explicit)  # not explicit: LightningCLI reads sys.argv itself
         return 0
+    except ArgumentError as err:  # a config/command-line parse error of LightningCLI (jsonargparse)
+        from lightning_hybrid.cli_errors import parse_error_line
+
+        if os.environ.get(DEBUG_ENV) == "1":
+            raise
+        keys = [a.dest for p in _PARSERS for a in p._actions if isinstance(a.dest, str)]
+        return _fail(command, parse_error_line(str(err), keys))
     except Exception as err:  # noqa: BLE001 - a user's mistake becomes one line; anything else is re-raised
         message = user_error_message(err)
         if message is None or os.environ.get(DEBUG_ENV) == "1":

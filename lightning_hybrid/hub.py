@@ -10,11 +10,16 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import Union
 
-__all__ = ["resolve_hf_path", "HUB_PATTERNS"]
+__all__ = ["resolve_hf_path", "HUB_PATTERNS", "is_repo_id"]
 
 _REPO_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
 # What a model folder needs for training and export: configs and weights, never pickled checkpoints.
 HUB_PATTERNS = ("*.json", "*.safetensors")
+
+
+def is_repo_id(text: str) -> bool:
+    """Whether ``text`` has the form of a Hugging Face repo id (``org/name``)."""
+    return bool(_REPO_ID.match(text))
 
 
 def resolve_hf_path(path_or_repo: Union[str, Path],

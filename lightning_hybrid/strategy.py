@@ -16,6 +16,7 @@ from lightning.fabric.plugins.collectives.torch_collective import default_pg_tim
 from lightning.pytorch.strategies import ModelParallelStrategy, StrategyRegistry
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.model_helpers import is_overridden
+from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch.optim import Optimizer
 from typing_extensions import override
 
@@ -39,9 +40,10 @@ from lightning_hybrid.distributed.parallel_dims import ParallelDims, build_mesh,
 from lightning_hybrid.distributed.parallelize import ParallelOptions, check_device_options, check_options, require_meta
 from lightning_hybrid.distributed.pipeline.runner import PipelineRunner, report_bubble
 from lightning_hybrid.distributed.pipeline.schedules import PP_SCHEDULES
+from lightning_hybrid.distributed.self_parallel import DataParallelReplicas, replicate_unsynchronized
 from lightning_hybrid.distributed.step_guard import StepGuard
 from lightning_hybrid.distributed.tensor_parallel import full_vocabulary
-from lightning_hybrid.models.spec import ParallelSpec
+from lightning_hybrid.models.spec import ParallelSpec, declared_spec
 from lightning_hybrid.planner.auto_setup import auto_fields, check_strategy_request, resolve_auto
 
 __all__ = ["HybridParallelStrategy", "PP_SCHEDULES"]
@@ -143,6 +145,7 @@ class HybridParallelStrategy(ModelParallelStrategy):
         self.step_guard = StepGuard()
         self.auto_plan: Optional[Any] = None  # the planner's decision when an option is "auto"
         self.weight_casts, self._loss_parallel = None, False  # bf16 copies made once per step, loss on shards
+        self._replicas: Optional[DataParallelReplicas] = None  # a self-parallelizing module's unsynchronized params
 
     @property
     def dims(self) -> ParallelDims:
@@ -168,8 +171,7 @@ class HybridParallelStrategy(ModelParallelStrategy):
     def _validate(self) -> None:
         """All size checks that need no collective; identical on every rank, so every rank raises alike."""
         module = self.lightning_module
-        spec_fn = getattr(module, "parallel_spec", None)
-        self._spec = spec_fn() if callable(spec_fn) else None
+        self._spec = declared_spec(module)
         check_device_options(self.options, self.root_device, self._get_process_group_backend())
         if auto_fields(self.options):  # planned in setup_environment, once the process group exists
             return check_strategy_request(self)
@@ -201,8 +203,11 @@ class HybridParallelStrategy(ModelParallelStrategy):
     @override
     def setup(self, trainer: "pl.Trainer") -> None:
         if self._spec is None:
-            # The LightningModule parallelized itself in configure_model (ModelParallelStrategy style).
-            return super().setup(trainer)
+            # The LightningModule parallelized itself in configure_model (ModelParallelStrategy style); what it left
+            # unsynchronized over dp is replicated (see distributed/self_parallel.py).
+            super().setup(trainer)
+            self._replicas = replicate_unsynchronized(self.model, self.lightning_module, self._dims, rank_zero_info)
+            return None
         assert self.model is not None and self.accelerator is not None
         self.accelerator.setup(trainer)
         name = type(self.lightning_module).__name__
@@ -258,6 +263,8 @@ class HybridParallelStrategy(ModelParallelStrategy):
         if self._spec is not None and self.dims.data_ranks > 1 and self.options.data_parallel == "replicate":
             closure = all_reducing(closure, self.lightning_module.model, self.device_mesh["dp_cp"].get_group(),
                                    self.dims.data_ranks, self.options.reduction_dtype(self._precision))
+        if self._replicas is not None:
+            closure = self._replicas.all_reducing(closure, self.options.reduction_dtype(self._precision))
         if self.replica_groups is not None:  # gradients averaged over the groups, then torchft's commit verdict
             closure = self.replica_groups.committing(closure, self.lightning_module, self.step_guard)
         with self.step_guard.guarding(optimizer):

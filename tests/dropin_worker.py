@@ -365,6 +365,25 @@ def string_batch(out: Path) -> dict[str, Any]:
             "update": max_difference(module.start_weights, full_state(module.model))}
 
 
+def tp_only_replicas(out: Path) -> dict[str, Any]:
+    """A module that applies only TP, under dp > 1 (the bare strategy: tp=1, dp=4; and tp=2, dp=2): the strategy
+    replicates its parameters over dp; after 4 steps every dp replica holds the same weights, and they moved."""
+    facts = {}
+    for name, strategy in (("bare", HybridParallelStrategy()), ("tp2", HybridParallelStrategy(tp=2))):
+        trainer = trainer_for(strategy, out, max_steps=4)
+        module = UserModule(tensor_parallel)
+        L.seed_everything(int(dist.get_rank()), verbose=False)  # different initial weights per rank: broadcast fixes
+        trainer.fit(module)
+        weights = full_state(module.model)
+        first = gather_objects({k: v.tolist() for k, v in weights.items()})[0]
+        facts[name] = {"steps": trainer.global_step, "dp": strategy.dims.dp,
+                       "replicated": len(strategy._replicas.params) if strategy._replicas else 0,
+                       "difference_to_rank0": max_difference(weights, {k: torch.tensor(v) for k, v in first.items()}),
+                       "update": max_difference(module.start_weights, weights),
+                       "batches": module.facts["batches"]}
+    return facts
+
+
 SCENARIOS: dict[str, Callable[[Path], dict[str, Any]]] = {
     "mesh_and_timeouts": mesh_and_timeouts,  # first: its strategy creates the default process group
     "mesh_sizes": mesh_sizes,
@@ -374,6 +393,7 @@ SCENARIOS: dict[str, Callable[[Path], dict[str, Any]]] = {
     "compiled_full_checkpoint": lambda out: full_checkpoint(out, compile=True),
     "sharded_checkpoint": sharded_checkpoint,
     "string_batch": string_batch,
+    "tp_only_replicas": tp_only_replicas,
 }
 
 

@@ -145,3 +145,42 @@ def test_compile_with_tp_and_sequence_parallel_or_recompute_is_refused_before_an
     with pytest.raises(ValueError,
                        match=r"compile=True with tp=2 and sequence_parallel=.* trains with wrong gradients"):
         strategy._validate()
+
+
+@pytest.mark.timeout(120)
+def test_hang_lines_of_ranks_writing_at_once_stay_whole_one_a_line():
+    """Each rank's hang report is one os.write of the whole line: 4 processes writing 300 lines each into one pipe at
+    the same time give 1,200 intact lines, none joined with another."""
+    import multiprocessing
+    import os
+    import re
+    import threading
+
+    from lightning_hybrid.distributed.heartbeat import write_line
+
+    read_end, write_end = os.pipe()
+    chunks: list[bytes] = []
+
+    def drain() -> None:
+        while data := os.read(read_end, 1 << 16):
+            chunks.append(data)
+
+    reader = threading.Thread(target=drain)
+    reader.start()
+
+    def ranks(rank: int) -> None:
+        for i in range(300):
+            write_line(f"[rank{rank}]: rank {rank} made no progress for 20 s (report {i}) " + "x" * 200, fd=write_end)
+
+    context = multiprocessing.get_context("fork")
+    writers = [context.Process(target=ranks, args=(rank,)) for rank in range(4)]
+    for writer in writers:
+        writer.start()
+    for writer in writers:
+        writer.join(60)
+    os.close(write_end)
+    reader.join(60)
+    os.close(read_end)
+    lines = b"".join(chunks).decode().splitlines()
+    pattern = re.compile(r"^\[rank(\d)\]: rank \1 made no progress for 20 s \(report \d+\) x{200}$")
+    assert len(lines) == 1200 and all(pattern.match(line) for line in lines)

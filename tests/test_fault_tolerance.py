@@ -220,6 +220,10 @@ def test_a_signal_after_training_is_recorded_and_does_not_end_the_process(tmp_pa
 
     class FakeTrainer:
         is_global_zero = True
+        ckpt_path = None
+
+        class strategy:  # noqa: N801 - one process: a broadcast returns its input
+            broadcast = staticmethod(lambda value: value)
 
     before = signal.getsignal(signal.SIGUSR1)
     callback = FaultTolerantCheckpoint(tmp_path, every_n_steps=1)

@@ -299,7 +299,7 @@ def test_export_of_a_tied_model_omits_the_head_and_transformers_ties_it(folders,
 
 
 def test_export_errors_are_one_line(folders, tmp_path, capsys):
-    assert export_main([str(tmp_path), str(tmp_path / "out")]) == 1
+    assert export_main([str(tmp_path), str(tmp_path / "out")]) == 2
     err = capsys.readouterr().err.strip()
     assert "\n" not in err and "no meta.json in" in err
     model = Qwen2.from_hf(str(folders["single"]))

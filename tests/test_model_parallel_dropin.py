@@ -220,6 +220,39 @@ def test_tensor_parallel_with_lightnings_default_sizes(runs):
 
 
 @distributed
+@pytest.mark.parametrize("name, dp, replicated", [("bare", 4, 6), ("tp2", 2, 6)])
+def test_a_module_that_applies_only_tp_trains_equal_replicas_over_dp(runs, name, dp, replicated):
+    """Nothing of the module synchronizes its dp replicas; the strategy replicates its parameters (broadcast, then
+    gradients averaged over dp): after 4 steps on different data, every rank holds rank 0's weights."""
+    for record in runs["tp_only_replicas"]:
+        facts = record[name]
+        assert facts["steps"] == 4 and facts["dp"] == dp and facts["replicated"] == replicated
+        assert facts["difference_to_rank0"] == 0.0 and facts["update"] > 1e-3
+        assert not all(same_across(step, FULL_WORLD) for step in facts["batches"])  # the replicas saw other data
+
+
+def test_the_declared_model_protocol_is_a_class_method_returning_a_parallel_spec():
+    from lightning_hybrid.models import CausalLM
+    from lightning_hybrid.models.spec import ParallelSpec, declared_spec
+
+    assert declared_spec(Mock()) is None and declared_spec(SelfParallelizing()) is None
+    assert isinstance(declared_spec(CausalLM("tiny")), ParallelSpec)
+
+    class Wrong(SelfParallelizing):
+        def parallel_spec(self):
+            return {"blocks": "layers"}
+
+    with pytest.raises(TypeError, match=r"^Wrong.parallel_spec\(\) returned dict, not a ParallelSpec"):
+        declared_spec(Wrong())
+
+
+def test_a_size_mismatch_is_both_a_value_error_and_lightnings_runtime_error():
+    for expected in (ValueError, RuntimeError):
+        with pytest.raises(expected, match=r"multiplied should equal the world size"):
+            validated(4, 1, data_parallel_size=2, tensor_parallel_size=3)
+
+
+@distributed
 def test_fsdp2_over_tensor_parallel(runs):
     for record in runs["fsdp2_tensor_parallel"]:
         assert record["steps"] == 2 and record["mesh"]["shape"] == [2, 2]

@@ -106,7 +106,7 @@ def test_bad_inputs_give_one_line_errors(tokenizer_dir, tmp_path, capsys):
     with pytest.raises(ValueError, match=r"has no EOS token '<nope>' in its vocabulary; pass --eos-token"):
         load_tokenizer(str(tokenizer_dir), eos_token="<nope>", backend="tokenizers")
     assert cli_main(["prepare-data", "--tokenizer", str(tokenizer_dir), "--input", str(tmp_path / "missing.txt"),
-                     "--output", str(tmp_path / "out"), "--seq-len", "4"]) == 1
+                     "--output", str(tmp_path / "out"), "--seq-len", "4"]) == 2
     err = capsys.readouterr().err.strip()
     assert err.count("\n") == 0 and "missing.txt does not exist" in err
     with pytest.raises(FileNotFoundError, match="not a packed token folder"):

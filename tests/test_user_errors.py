@@ -60,13 +60,59 @@ CASES = [
      "nothing fits"),
     ("prepare_data_missing_input", ["prepare-data", "--tokenizer", "no/such/tokenizer", "--input", "no/such.jsonl",
                                     "--output", "{tmp}/out", "--seq-len", "16"], "no/such.jsonl"),
+    # parse errors of the config or the command line: one line, the closest valid key (not jsonargparse's usage)
+    ("parse_bad_value", FIT + ["--trainer.strategy.init_args.tp", "two"],
+     "error: --trainer.strategy.init_args.tp: 'two' is not valid; expected int or 'auto'"),
+    ("parse_unknown_strategy_key", FIT + ["--trainer.strategy.init_args.tensor_paralel", "2"],
+     "--trainer.strategy.init_args.tensor_paralel: HybridParallelStrategy has no argument 'tensor_paralel'; "
+     "did you mean `tensor_parallel_size`?"),
+    ("parse_unknown_model_key", FIT + ["--model.learning_rte", "0.1"],
+     "--model.learning_rte: unknown key; did you mean `model.lr`?"),
+    ("parse_misspelled_section", ["fit", "--config", "{trainr_yaml}"], "unknown section `trainr`; expected one of "),
+    # files named by the config, checked before any process starts
+    ("missing_ckpt_path", FIT + ["--ckpt_path", "no/such/step-000002"],
+     "--ckpt_path no/such/step-000002: no such file or folder"),
+    ("missing_init_from_hf", FIT + ["--model.init_from_hf", "{tmp}/no-such-folder"],
+     "no-such-folder: no such folder, and not a Hugging Face repo id"),
+    ("corrupted_safetensors", FIT + ["--model.init_from_hf", "{corrupted_hf}"],
+     "model.safetensors: not a readable safetensors file ("),
+    ("prepare_data_empty_input", ["prepare-data", "--tokenizer", "{tokenizer}", "--input", "{tmp}/empty.txt",
+                                  "--output", "{tmp}/prepared", "--seq-len", "16", "--eos-token", "</s>"],
+     "empty.txt) give 1 tokens, fewer than one sequence of seq_len=16 needs (17); add text or lower --seq-len; "
+     "nothing was written"),
 ]
+
+
+def _placeholders(tmp: Path) -> dict[str, str]:
+    """Files some cases name: a config with a misspelled section, a damaged safetensors file, an empty input."""
+    trainr = tmp / "trainr.yaml"
+    trainr.write_text(TINY.read_text().replace("trainer:", "trainr:", 1))
+    corrupted = tmp / "hf"
+    corrupted.mkdir(exist_ok=True)
+    (corrupted / "model.safetensors").write_bytes(b"\xff" * 64)
+    (tmp / "empty.txt").write_text("")
+    return {"{bad_yaml}": str(_bad_yaml(tmp)), "{tmp}": str(tmp), "{trainr_yaml}": str(trainr),
+            "{corrupted_hf}": str(corrupted), "{tokenizer}": str(_byte_tokenizer(tmp))}
+
+
+def _byte_tokenizer(tmp: Path) -> Path:
+    """A tiny word-level tokenizer folder (tokenizer.json with an EOS token)."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    folder = tmp / "tokenizer"
+    folder.mkdir(exist_ok=True)
+    tokenizer = Tokenizer(models.WordLevel({"<unk>": 0, "</s>": 1, "cat": 2}, unk_token="<unk>"))
+    tokenizer.pre_tokenizer = pre_tokenizers.Whitespace()
+    tokenizer.save(str(folder / "tokenizer.json"))
+    return folder
 
 
 @pytest.mark.slow  # a CLI process each (imports torch and Lightning)
 @pytest.mark.parametrize("args,expected", [c[1:] for c in CASES], ids=[c[0] for c in CASES])
 def test_a_user_error_ends_with_one_line_naming_the_value(args, expected, tmp_path):
-    args = [a.replace("{bad_yaml}", str(_bad_yaml(tmp_path))).replace("{tmp}", str(tmp_path)) for a in args]
+    values = _placeholders(tmp_path)
+    for key, value in values.items():
+        args = [a.replace(key, value) for a in args]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     env.pop("LIGHTNING_HYBRID_DEBUG", None)
     start = time.perf_counter()
@@ -76,10 +122,12 @@ def test_a_user_error_ends_with_one_line_naming_the_value(args, expected, tmp_pa
     output = (result.stdout + result.stderr).strip()
     last = result.stderr.strip().splitlines()[-1] if result.stderr.strip() else ""
     print(f"\n{' '.join(args[:1])} ... -> exit {result.returncode} in {seconds:.1f} s: {last}")
-    assert result.returncode != 0, output[-2000:]
+    assert result.returncode == 2, output[-2000:]  # usage and configuration errors: 2 in every subcommand
     assert expected in last, output[-3000:]
     assert "Traceback" not in output, output[-3000:]
     assert output.count(expected) == 1, output[-3000:]  # printed once
+    assert "usage:" not in output, output[-3000:]  # the full usage only with --help
+    assert not (tmp_path / "prepared").exists()  # an empty prepare-data input leaves nothing behind
 
 
 @pytest.mark.slow  # a CLI process each (imports torch and Lightning)
@@ -131,3 +179,26 @@ def test_a_checkpoint_of_another_model_in_the_folder_is_refused_in_one_line_nami
     assert "intermediate_size: checkpoint 352 vs model 176" in last
     assert "another checkpoint folder (FaultTolerantCheckpoint dirpath)" in last and "away" in last
     assert output.count("is of another model") == 1
+
+
+def test_help_keeps_the_full_usage(capsys):
+    from lightning_hybrid import cli
+
+    with pytest.raises(SystemExit) as caught:
+        cli.main(["fit", "--help"])
+    out = capsys.readouterr().out
+    assert caught.value.code == 0 and "usage:" in out and "--trainer.max_steps" in out and len(out.splitlines()) > 60
+
+
+@pytest.mark.parametrize("message, keys, line", [
+    ('Parser key "trainer.max_steps":\n  Expected a <class \'int\'>. Got value: abc', [],
+     "--trainer.max_steps: 'abc' is not valid; expected int"),
+    ("unrecognized arguments: --trainer.max_stepz 3", ["trainer.max_steps", "trainer.devices", "model.lr"],
+     "--trainer.max_stepz: unknown key; did you mean `trainer.max_steps`?"),
+    ("Subcommand 'fit' does not accept option 'modle.lr'", ["trainer.max_steps", "model.lr", "data"],
+     "unknown section `modle`; expected one of data, model, trainer; did you mean `model`?"),
+])
+def test_parse_errors_become_one_line_with_the_closest_key(message, keys, line):
+    from lightning_hybrid.cli_errors import parse_error_line
+
+    assert parse_error_line(message, keys) == line

@@ -16,6 +16,15 @@ import torch
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 
 from lightning_hybrid.checkpoint.dcp import SAVE_ERRORS, describe_save_error
+from lightning_hybrid.checkpoint.lineage import (
+    ON_FOREIGN,
+    ForeignCheckpointsError,
+    Lineage,
+    check_folder,
+    claim_folder,
+    run_id_of,
+    set_aside_same_step,
+)
 from lightning_hybrid.checkpoint.manifest import (
     MANIFEST,
     CheckpointError,
@@ -89,6 +98,10 @@ class FaultTolerantCheckpoint(pl.Callback):
             while the next step's forward and backward run (its optimizer step waits for the copy), and written
             by a background writer; the next save (or the end of training) waits for the previous one.
         auto_resume: on ``fit`` without ``ckpt_path``, resume from the newest valid checkpoint in ``dirpath``.
+            What is a resume and what a new run: with ``fit(ckpt_path=...)`` the run continues that checkpoint's run
+            lineage; with ``auto_resume=True`` and no ``ckpt_path`` it continues the lineage of the newest valid
+            checkpoint in ``dirpath`` (a new run if there is none); with ``auto_resume=False`` and no ``ckpt_path``
+            it is always a new run (a new run id). See :mod:`lightning_hybrid.checkpoint.lineage`.
         save_on_exception: try a synchronous save when training raises (if all ranks reach it within 20 s; not
             tried when the exception says the process group is broken: a dead peer, a NCCL error).
         save_on_signal: SIGTERM or SIGUSR1 trigger a synchronous save at the next step boundary on all ranks,
@@ -104,6 +117,10 @@ class FaultTolerantCheckpoint(pl.Callback):
             script needs an ``if __name__ == "__main__":`` guard).
         storage_options: for a URL ``dirpath``: passed to fsspec and DCP (``key``, ``secret``,
             ``client_kwargs={"endpoint_url": ...}``, ...); without them the environment's credentials are used.
+        on_foreign: what to do, before training, when ``dirpath`` holds checkpoints of another run lineage:
+            ``"refuse"`` (raise one line naming the folder, the other run's model and step, and the ways on) or
+            ``"archive"`` (move them into ``dirpath/archived-<run_id>/``; nothing is deleted). Saves never skip
+            or overwrite a folder of another lineage, and retention deletes only this lineage's checkpoints.
 
     Raises:
         ValueError: no interval was given, or a value is out of range; for a URL, one line when its scheme is
@@ -116,7 +133,8 @@ class FaultTolerantCheckpoint(pl.Callback):
                  auto_resume: bool = True, save_on_exception: bool = True, save_on_signal: bool = True,
                  allow_fresh_start: bool = True, max_consecutive_failures: int = 3,
                  mtbf_hours: Optional[float] = None, verify_checksums: bool = True,
-                 storage_options: Optional[dict[str, Any]] = None, async_writer: str = "thread") -> None:
+                 storage_options: Optional[dict[str, Any]] = None, async_writer: str = "thread",
+                 on_foreign: str = "refuse") -> None:
         if every_n_steps is None and every_n_minutes is None and not save_on_signal:
             raise ValueError("FaultTolerantCheckpoint needs every_n_steps, every_n_minutes or save_on_signal=True")
         if every_n_steps is not None and every_n_steps < 1:
@@ -125,6 +143,11 @@ class FaultTolerantCheckpoint(pl.Callback):
             raise ValueError(f"every_n_minutes={every_n_minutes} must be positive")
         if keep_last < 1:
             raise ValueError(f"keep_last={keep_last} must be at least 1")
+        if on_foreign not in ON_FOREIGN:
+            raise ValueError(f"on_foreign={on_foreign!r}; use one of {', '.join(map(repr, ON_FOREIGN))}")
+        self.on_foreign = on_foreign
+        self.lineage: Optional[Lineage] = None  # this run's lineage, decided at fit start
+        self._resume_source: Optional[Path] = None
         self.dirpath = checkpoint_path(dirpath, storage_options, check=True)
         self.every_n_steps = every_n_steps
         self.every_n_minutes = every_n_minutes
@@ -211,6 +234,29 @@ class FaultTolerantCheckpoint(pl.Callback):
             return [p for p in self.dirpath.iterdir() if _is_step_name(p.name) and not is_committed(p, MANIFEST)]
         return list(self.dirpath.glob("step-*.tmp"))
 
+    def _claim_folder(self, trainer: "pl.Trainer", source: Optional[Union[str, Path]]) -> None:
+        """Take the lineage of ``source`` (the checkpoint resumed from; ``None``: a new run, a new run id), then
+        refuse (one line, every rank) or archive (rank 0) the checkpoints of any other lineage in ``dirpath``."""
+        verdict: list = []
+        if trainer.is_global_zero:
+            lineage, error = claim_folder(self.dirpath, source, self.on_foreign, rank_zero_warn)
+            verdict = [lineage.run_id, lineage.adopt_unlabelled, error]
+        run_id, adopt, error = trainer.strategy.broadcast(verdict)
+        if error:
+            raise ForeignCheckpointsError(error)
+        self.lineage = Lineage(run_id, adopt)
+        self._resume_source = checkpoint_path(source) if source else None
+
+    def check_lineage(self, ckpt_path: Optional[Union[str, Path]] = None) -> None:
+        """Before any process starts: the refusal of :meth:`_claim_folder` (``on_foreign="refuse"``), from the
+        manifests alone (no collective). Auto-resume is taken to continue the newest readable checkpoint.
+
+        Raises:
+            ForeignCheckpointsError: one line naming the folder, the other run and the ways on.
+        """
+        if self.on_foreign == "refuse":
+            check_folder(self.dirpath, ckpt_path, self.auto_resume)
+
     def _newest_valid(self, trainer: "pl.Trainer", candidates: list[Path]) -> Optional[Path]:
         """The first of ``candidates`` (newest first) whose files all match the manifest, checked by all ranks.
 
@@ -237,6 +283,8 @@ class FaultTolerantCheckpoint(pl.Callback):
     def on_train_start(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
         # Installed after Lightning's own handlers (registered just before training starts), replacing them:
         # the handler only sets a flag; all ranks agree at the next step boundary, with no collective here.
+        # The checkpoint restored is known only now: `fit(ckpt_path=...)` sets it after on_fit_start.
+        self._claim_folder(trainer, trainer.ckpt_path or self.resumed_from)
         self._last_save_time = time.monotonic()
         self._training_started = True
         if not self.save_on_signal:
@@ -306,14 +354,16 @@ class FaultTolerantCheckpoint(pl.Callback):
         if self._pending is not None:
             self._commit(trainer)  # the next save waits for the previous one
         final = self.dirpath / step_dirname(step)
-        if is_committed(final, MANIFEST):
-            return True  # this step is saved already (for example the one just resumed from)
+        if step == self._last_committed_step or (self._resume_source is not None
+                                                 and final.resolve() == self._resume_source.resolve()):
+            return True  # this run committed, or resumed from, this step; a folder of it of another run is set aside
         # No rename on an object store: the save goes straight to its prefix and commits with its manifest.
         tmp = final if isinstance(final, ObjectPath) else self.dirpath / (step_dirname(step) + ".tmp")
         self._make_room(trainer)
         start = time.perf_counter()
         try:
             checkpoint = trainer._checkpoint_connector.dump_checkpoint(weights_only=False)
+            checkpoint.setdefault("hybrid", {})["run_id"] = self.lineage.run_id if self.lineage else None
             self._pending = trainer.strategy.begin_save(checkpoint, tmp,
                                                         async_save=self.async_options if async_save else False)
             self._pending_step = step
@@ -329,8 +379,12 @@ class FaultTolerantCheckpoint(pl.Callback):
     def _make_room(self, trainer: "pl.Trainer") -> None:
         """Before a save, delete the oldest committed checkpoints down to ``keep_last - 1`` (never the last one)."""
         if trainer.is_global_zero:
-            for removed in purge_old(self.dirpath, max(1, self.keep_last - 1), protect=self._protected()):
+            for removed in purge_old(self.dirpath, max(1, self.keep_last - 1), protect=self._protected(),
+                                     owns=self._owns):
                 rank_zero_info(f"removed old checkpoint {removed} to make room for the next save")
+
+    def _owns(self, folder: Path) -> bool:
+        return self.lineage is not None and self.lineage.owns(run_id_of(folder))
 
     def _protected(self) -> list[Path]:
         # The checkpoint resumed from stays until a newer one is committed: until then it is the only known-good one.
@@ -351,10 +405,14 @@ class FaultTolerantCheckpoint(pl.Callback):
         final = self.dirpath / step_dirname(step)
         if trainer.is_global_zero:
             if tmp != final:
+                replaced = set_aside_same_step(final)  # never skip nor overwrite: an older folder of this step is kept
+                if replaced is not None:
+                    rank_zero_warn(f"{final} existed (another run's or an older branch's); moved it aside: {replaced}")
                 os.replace(tmp, final)
                 fsync_dir(self.dirpath)
             update_latest(self.dirpath, final)
-            for removed in purge_old(self.dirpath, self.keep_last, protect=[final, *self._protected()]):
+            for removed in purge_old(self.dirpath, self.keep_last, protect=[final, *self._protected()],
+                                     owns=self._owns):
                 rank_zero_info(f"removed old checkpoint {removed}")
         trainer.strategy.barrier("checkpoint_commit")
         self._failures = 0

@@ -283,7 +283,7 @@ def export_main(argv: Optional[Sequence[str]] = None) -> int:
         out = export_hf(args.checkpoint_dir, args.out_dir, args.dtype, args.max_shard_size, args.overwrite)
     except (FileNotFoundError, ValueError) as err:
         print(f"lightning-hybrid export-hf: error: {err}", file=sys.stderr)
-        return 1
+        return 2  # a user's mistake: the exit code of every lightning-hybrid subcommand for one
     index = json.loads((out / "model.safetensors.index.json").read_text())
     shards = len(set(index["weight_map"].values()))
     print(f"wrote {len(index['weight_map'])} tensors ({index['metadata']['total_size'] / 1e9:.2f} GB, {args.dtype}) "

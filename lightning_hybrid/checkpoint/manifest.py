@@ -18,7 +18,7 @@ import re
 import zlib
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterable, Union
+from typing import Any, Callable, Iterable, Optional, Union
 
 from lightning_hybrid.checkpoint.storage import ObjectPath, checkpoint_path, move_checkpoint, remove_checkpoint
 
@@ -141,12 +141,15 @@ def update_latest(dirpath: Path, folder: Path) -> None:
     _write_atomically(checkpoint_path(dirpath) / LATEST, folder.name + "\n")
 
 
-def purge_old(dirpath: Path, keep_last: int, protect: Iterable[Path] = ()) -> list[Path]:
+def purge_old(dirpath: Path, keep_last: int, protect: Iterable[Path] = (),
+              owns: Optional[Callable[[Path], bool]] = None) -> list[Path]:
     """Delete committed checkpoints beyond the newest ``keep_last``, never one in ``protect``; and stale ``.tmp``
-    folders. Returns the deleted folders."""
+    folders. With ``owns``, only the checkpoints it accepts (a run's own lineage) are counted and deleted. Returns
+    the deleted folders."""
     protected = {checkpoint_path(p).resolve() for p in protect}
     removed = []
-    for old in committed_checkpoints(dirpath)[keep_last:]:
+    candidates = [c for c in committed_checkpoints(dirpath) if owns is None or owns(c.path)]
+    for old in candidates[keep_last:]:
         if old.path.resolve() not in protected:
             remove_checkpoint(old.path, MANIFEST)
             removed.append(old.path)

@@ -88,6 +88,7 @@ def _info(ctx: CheckpointContext, checkpoint: dict[str, Any]) -> dict[str, Any]:
     config = getattr(module, "config", None)
     return {
         "step": int(checkpoint.get("global_step", 0)),
+        "run_id": checkpoint.get("hybrid", {}).get("run_id"),  # the run lineage (checkpoint/lineage.py)
         "epoch": int(checkpoint.get("epoch", 0)),
         "data_position": checkpoint.get("hybrid", {}).get("data_position"),
         "mesh": dict(ctx.layout),
@@ -156,7 +157,7 @@ def begin_save(ctx: CheckpointContext, checkpoint: dict[str, Any], folder: Path,
     folder = checkpoint_path(folder)  # a local Path or an object-store prefix (see checkpoint.storage)
     checkpoint.pop("state_dict", None)
     checkpoint.pop("optimizer_states", None)
-    checkpoint["hybrid"] = {"data_position": ctx.data_position}
+    checkpoint["hybrid"] = {**checkpoint.get("hybrid", {}), "data_position": ctx.data_position}  # keeps run_id
     import torch.distributed as dist
 
     started = time.perf_counter()

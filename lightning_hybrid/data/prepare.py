@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import sys
 import time
 from collections.abc import Iterable, Iterator
@@ -203,6 +204,18 @@ def _encode_with_worker_tokenizer(batch: list[str]) -> tuple[int, list[list[int]
     return len(batch), _text_tokenizer.encode_batch(batch)
 
 
+def _too_few_tokens(inputs: Sequence[Union[str, Path]], num_tokens: int, seq_len: int,
+                    created: Optional[Path]) -> ValueError:
+    """The error for inputs that give less than one sequence, naming them; removes ``created`` (the output folder
+    this call made), so nothing is left behind."""
+    if created is not None:
+        shutil.rmtree(created, ignore_errors=True)
+    names = ", ".join(map(str, inputs[:3])) + (f" and {len(inputs) - 3} more" if len(inputs) > 3 else "")
+    return ValueError(f"the inputs ({names}) give {num_tokens} tokens, fewer than one sequence of seq_len={seq_len} "
+                      f"needs ({seq_len + 1}); add text or lower --seq-len"
+                      f"{'; nothing was written' if created is not None else ''}")
+
+
 def prepare_data(tokenizer: Union[str, Tokenizer], inputs: Sequence[Union[str, Path]], output: Union[str, Path],
                  seq_len: int, text_key: str = "text", text_mode: str = "file", eos_token: Optional[str] = None,
                  batch_size: int = 256, overwrite: bool = False, workers: int = 1) -> dict[str, Any]:
@@ -225,6 +238,7 @@ def prepare_data(tokenizer: Union[str, Tokenizer], inputs: Sequence[Union[str, P
     out = Path(output)
     if (out / INDEX_FILE).exists() and not overwrite:
         raise ValueError(f"{out} already holds prepared data; choose a new folder or pass --overwrite")
+    created = not out.exists()  # removed again when nothing is written
     out.mkdir(parents=True, exist_ok=True)
     (out / INDEX_FILE).unlink(missing_ok=True)
     partial = out / (TOKENS_FILE + ".partial")
@@ -247,8 +261,7 @@ def prepare_data(tokenizer: Union[str, Tokenizer], inputs: Sequence[Union[str, P
         raise
     if num_tokens < seq_len + 1:
         partial.unlink()
-        raise ValueError(f"the inputs give {num_tokens} tokens, fewer than one sequence of seq_len={seq_len} "
-                         f"needs ({seq_len + 1}); add text or lower --seq-len")
+        raise _too_few_tokens(inputs, num_tokens, seq_len, out if created else None)
     os.replace(partial, out / TOKENS_FILE)
     index = {
         "format": "lightning-hybrid packed tokens", "version": 1, "seq_len": seq_len, "num_tokens": num_tokens,
@@ -308,7 +321,7 @@ def prepare_main(argv: Optional[Sequence[str]] = None) -> int:
             tokens = index["num_tokens"]
     except (FileNotFoundError, ValueError) as err:
         print(f"lightning-hybrid prepare-data: error: {err}", file=sys.stderr)
-        return 1
+        return 2  # a user's mistake: the exit code of every lightning-hybrid subcommand for one
     seconds = time.perf_counter() - start
     print(f"wrote {summary} to {args.output} in {seconds:.1f} s ({tokens / max(seconds, 1e-9):,.0f} tokens/s, "
           f"{args.workers} worker{'s' if args.workers > 1 else ''})")

@@ -38,8 +38,8 @@ from typing_extensions import override
 
 from lightning_hybrid.distributed.elastic import round_store_prefix
 
-__all__ = ["HANG_TIMEOUT", "EXIT_CODE_HANG", "check_hang_timeout", "Heartbeat", "HangDetector", "find_hang",
-           "attach_hang_detector"]
+__all__ = ["HANG_TIMEOUT", "EXIT_CODE_HANG", "write_line", "check_hang_timeout", "Heartbeat", "HangDetector",
+           "find_hang", "attach_hang_detector"]
 
 log = logging.getLogger(__name__)
 
@@ -63,6 +63,20 @@ def check_hang_timeout(value: Any) -> Optional[float]:
     if not value > 0:
         raise ValueError(f"hang_timeout={value!r} must be positive (seconds, e.g. 300) or None to turn it off")
     return float(value)
+
+
+def write_line(text: str, fd: Optional[int] = None) -> None:
+    """Write ``text`` and its newline to stderr in one ``os.write``: the lines several ranks write at the same moment
+    (each its hang report) land whole, one a line, never interleaved (``print`` may write text and newline apart)."""
+    data = (" ".join(text.split()) + "\n").encode()
+    fd = sys.stderr.fileno() if fd is None else fd
+    try:
+        sys.stderr.flush()
+    except (OSError, ValueError):
+        pass
+    while data:  # a pipe takes up to PIPE_BUF (4096) bytes atomically; a hang line is far shorter
+        written = os.write(fd, data)
+        data = data[written:]
 
 
 @dataclass
@@ -250,7 +264,7 @@ class Heartbeat:
         if self.on_hang is not None:
             self.on_hang(message, hang)
             return
-        print(f"[rank{self.rank}]: {message}", file=sys.stderr, flush=True)
+        write_line(f"[rank{self.rank}]: {message}")
         pid, host = hang.record.get("pid"), hang.record.get("host")
         if hang.frozen and pid and host == socket.gethostname() and hang.rank != self.rank:
             try:  # a stopped process cannot end itself; torchrun would wait its grace period for it

@@ -25,8 +25,8 @@ from typing import TYPE_CHECKING, Any, Iterator, Optional
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
 
-__all__ = ["ParallelDims", "divisors", "format_choices", "build_mesh", "lightning_mesh", "new_gloo_group",
-           "tied_embedding_error", "MESH_DIMS", "LIGHTNING_MESH_DIMS", "data_mesh"]
+__all__ = ["ParallelSizeError", "ParallelDims", "divisors", "format_choices", "build_mesh", "lightning_mesh",
+           "new_gloo_group", "tied_embedding_error", "MESH_DIMS", "LIGHTNING_MESH_DIMS", "data_mesh"]
 
 # The dimensions every mesh answers to by name (cp only when cp > 1).
 MESH_DIMS = ("pp", "dp", "tp")
@@ -42,6 +42,11 @@ def divisors(n: int) -> list[int]:
 def format_choices(values: list[int]) -> str:
     """``"1, 2, 4 or 8"``: the values that would fit, for error messages."""
     return ", ".join(map(str, values[:-1])) + f" or {values[-1]}" if len(values) > 1 else str(values[0])
+
+
+class ParallelSizeError(ValueError, RuntimeError):
+    """The parallel sizes do not fit the world size. A ``ValueError`` (a bad argument) that is also the
+    ``RuntimeError`` Lightning's ``ModelParallelStrategy`` raises for it, so code catching either keeps working."""
 
 
 @dataclass(frozen=True)
@@ -92,19 +97,20 @@ class ParallelDims:
         if dp is None:
             if world_size % model_ranks:
                 fits = [d for d in divisors(world_size)]
-                raise ValueError(
+                raise ParallelSizeError(
                     f"world size {world_size} is not divisible by {names}={values}={model_ranks}; "
                     f"{names} must be one of {format_choices(fits)}"
                 )
             dp = world_size // model_ranks
         if model_ranks * dp != world_size:
-            raise ValueError(
-                f"{names}*dp={values}*{dp}={model_ranks * dp} does not equal the world size {world_size}; "
+            raise ParallelSizeError(
+                f"{names}*dp={values}*{dp}={model_ranks * dp} does not equal the world size {world_size} "
+                f"(the sizes multiplied should equal the world size); "
                 f"set dp=None to infer it or change the number of devices"
             )
         replicate = _replicas(dp, dp_shard)
         if devices_per_node is not None and tp > devices_per_node and tp % devices_per_node:
-            raise ValueError(
+            raise ParallelSizeError(
                 f"tp={tp} spans nodes unevenly with {devices_per_node} devices per node; use a tp that divides "
                 f"{devices_per_node} ({format_choices(divisors(devices_per_node))})"
             )

@@ -8,9 +8,9 @@ method. This module is plain data: it does not import ``torch.distributed``.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import Any, Optional
 
-__all__ = ["ParallelSpec", "TP_STYLES", "IGNORE_INDEX"]
+__all__ = ["ParallelSpec", "TP_STYLES", "IGNORE_INDEX", "declared_spec"]
 
 # Label value that the loss ignores (padding, prompt tokens), as in torch's cross_entropy and Hugging Face.
 IGNORE_INDEX = -100
@@ -69,3 +69,21 @@ class ParallelSpec:
         bad = {k: v for k, v in self.block_plan.items() if v not in TP_STYLES}
         if bad:
             raise ValueError(f"unknown tensor-parallel style in block_plan {bad}; use one of {TP_STYLES}")
+
+
+def declared_spec(module: Any) -> Optional[ParallelSpec]:
+    """The :class:`ParallelSpec` that ``module`` declares, or ``None`` when it declares none (it parallelizes itself).
+
+    The protocol is a ``parallel_spec`` method defined by the module's class that returns a ``ParallelSpec``; an
+    attribute that merely answers to the name (a ``Mock``, an instance attribute) declares nothing.
+
+    Raises:
+        TypeError: the class defines ``parallel_spec()`` and it returns something else.
+    """
+    if not callable(getattr(type(module), "parallel_spec", None)):
+        return None
+    spec = module.parallel_spec()
+    if not isinstance(spec, ParallelSpec):
+        raise TypeError(f"{type(module).__name__}.parallel_spec() returned {type(spec).__name__}, not a ParallelSpec; "
+                        f"return lightning_hybrid.models.spec.ParallelSpec(...) or remove the method")
+    return spec

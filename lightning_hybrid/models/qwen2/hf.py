@@ -23,7 +23,7 @@ from lightning_hybrid.hub import resolve_hf_path
 from lightning_hybrid.models.qwen2.config import BLOCK_TENSORS, Qwen2Config, block_tensor_shapes
 
 __all__ = [
-    "HF_NAME_TABLE", "hf_to_ours", "ours_to_hf", "load_hf_weights", "expected_hf_tensors",
+    "HF_NAME_TABLE", "hf_to_ours", "ours_to_hf", "load_hf_weights", "check_hf_folder", "expected_hf_tensors",
     "SafetensorsFolder", "read_stats", "ARCHITECTURE_FIELDS", "TOKENIZER_FILES",
 ]
 
@@ -156,8 +156,22 @@ class SafetensorsFolder:
         if file not in self._handles:
             if self._stack is None:
                 self._stack = ExitStack()
-            self._handles[file] = self._stack.enter_context(safe_open(str(self.folder / file), framework="pt"))
+            try:
+                self._handles[file] = self._stack.enter_context(safe_open(str(self.folder / file), framework="pt"))
+            except Exception as err:  # noqa: BLE001 - safetensors' own error type; one line naming the file instead
+                raise ValueError(f"{self.folder / file}: not a readable safetensors file ({type(err).__name__}: "
+                                 f"{' '.join(str(err).split())}); download it again") from None
         return self._handles[file]
+
+    def check_files(self) -> None:
+        """Open every file's header (no tensor data), so a damaged or truncated file fails here, on every rank
+        alike, before any collective.
+
+        Raises:
+            ValueError: one line naming the file and the error.
+        """
+        for file in self._files:
+            self._handle(file)
 
     def __enter__(self) -> "SafetensorsFolder":
         return self
@@ -228,6 +242,27 @@ def _parameters(model: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
         yield canonical_name(raw), param
 
 
+def check_hf_folder(path_or_repo: Union[str, Path], config: Qwen2Config) -> None:
+    """What :func:`load_hf_weights` checks before reading a weight (the folder, ``config.json``, every file's header,
+    every tensor's name and shape), for the command line before any process starts. A Hub repo id that is not a
+    local folder is left to the training processes (it may still have to be downloaded).
+
+    Raises:
+        FileNotFoundError: no such local folder, or no safetensors files in it.
+        ValueError: a damaged file (named), another model, a missing, extra or misshapen tensor.
+    """
+    from lightning_hybrid.hub import is_repo_id
+
+    path = Path(path_or_repo).expanduser()
+    if not path.exists() and is_repo_id(str(path_or_repo)):
+        return
+    folder = resolve_hf_path(path_or_repo)
+    _check_config(folder, config)
+    with SafetensorsFolder(folder) as files:
+        files.check_files()
+        _check_tensors(files, config)
+
+
 @torch.no_grad()
 def load_hf_weights(model: nn.Module, path_or_repo: Union[str, Path], config: Qwen2Config) -> None:
     """Fill the materialized parameters of ``model`` from a Hugging Face Qwen2 checkpoint, slice by slice.
@@ -253,6 +288,7 @@ def load_hf_weights(model: nn.Module, path_or_repo: Union[str, Path], config: Qw
     folder = resolve_hf_path(path_or_repo)
     _check_config(folder, config)
     with SafetensorsFolder(folder) as files:
+        files.check_files()
         expected = _check_tensors(files, config)
         for name, param in _parameters(model):
             hf = ours_to_hf(name)

@@ -1,0 +1,186 @@
+"""Run lineages: which checkpoints of a folder belong to the run that trains now.
+
+A run lineage is one training history: a fresh run and all its resumes (in the same layout or resharded). Its
+``run_id`` is written into every checkpoint's manifest (``meta.json``) and is taken over from the checkpoint a run
+resumes from, so a checkpoint folder can say which of its ``step-N`` folders are whose. A folder belongs to one
+lineage: a new run that finds checkpoints of another one either refuses (the default) or, with
+``on_foreign="archive"``, moves them into ``archived-<run_id>/`` (never deleting them), where that lineage can be
+resumed again (``FaultTolerantCheckpoint(dirpath="<folder>/archived-<run_id>")``).
+
+Checkpoints written before run ids existed have none: a run that resumes from one adopts every unlabelled
+checkpoint of the folder as its own.
+"""
+
+from __future__ import annotations
+
+import os
+import uuid
+from pathlib import Path
+from typing import Callable, Optional, Union
+
+from lightning_hybrid.checkpoint.manifest import (
+    LATEST,
+    MANIFEST,
+    CheckpointError,
+    Committed,
+    committed_checkpoints,
+    fsync_dir,
+    read_manifest,
+    update_latest,
+)
+from lightning_hybrid.checkpoint.storage import checkpoint_path, move_checkpoint
+
+__all__ = ["ON_FOREIGN", "ForeignCheckpointsError", "new_run_id", "run_id_of", "Lineage", "foreign_checkpoints",
+           "describe_foreign", "archive_foreign", "claim_folder", "check_folder",
+           "set_aside_same_step", "ARCHIVE_PREFIX"]
+
+ON_FOREIGN = ("refuse", "archive")
+ARCHIVE_PREFIX = "archived-"
+_UNREADABLE = object()
+
+
+class ForeignCheckpointsError(CheckpointError):
+    """The checkpoint folder holds checkpoints of another run lineage (one line: folder, run, model, ways on)."""
+
+
+def new_run_id() -> str:
+    """A fresh lineage id (12 hex digits)."""
+    return uuid.uuid4().hex[:12]
+
+
+def run_id_of(folder: Union[str, Path]) -> object:
+    """The ``run_id`` in ``folder``'s manifest: a string, ``None`` (written before run ids existed) or
+    ``_UNREADABLE`` (no valid manifest: neither ours nor another run's; auto-resume sets such folders aside)."""
+    try:
+        return read_manifest(checkpoint_path(folder)).get("run_id")
+    except CheckpointError:
+        return _UNREADABLE
+
+
+class Lineage:
+    """The run ids a run counts as its own: its ``run_id``, plus ``None`` when it resumed an unlabelled checkpoint."""
+
+    def __init__(self, run_id: str, adopt_unlabelled: bool = False) -> None:
+        self.run_id = run_id
+        self.adopt_unlabelled = adopt_unlabelled
+
+    @classmethod
+    def resuming(cls, checkpoint: Optional[Union[str, Path]]) -> "Lineage":
+        """The lineage of a run that resumes from ``checkpoint`` (``None``: a new run, a new id)."""
+        found = run_id_of(checkpoint) if checkpoint is not None else _UNREADABLE
+        if isinstance(found, str) and found:
+            return cls(found)
+        return cls(new_run_id(), adopt_unlabelled=found is None)
+
+    def owns(self, run_id: object) -> bool:
+        return run_id == self.run_id or (run_id is None and self.adopt_unlabelled)
+
+    def own_checkpoints(self, dirpath: Union[str, Path]) -> list[Committed]:
+        """The committed checkpoints of ``dirpath`` of this lineage, newest first (what retention may delete)."""
+        return [c for c in committed_checkpoints(dirpath) if self.owns(run_id_of(c.path))]
+
+
+def foreign_checkpoints(dirpath: Union[str, Path], lineage: Lineage) -> dict[object, list[Committed]]:
+    """Committed checkpoints of ``dirpath`` with a readable manifest of another lineage, by run id (newest first)."""
+    found: dict[object, list[Committed]] = {}
+    for candidate in committed_checkpoints(dirpath):
+        run_id = run_id_of(candidate.path)
+        if run_id is not _UNREADABLE and not lineage.owns(run_id):
+            found.setdefault(run_id, []).append(candidate)
+    return found
+
+
+def _model(folder: Path) -> str:
+    config = read_manifest(folder).get("model_config") or {}
+    shape = ", ".join(f"{k}={config[k]}" for k in ("hidden_size", "num_hidden_layers") if k in config)
+    return f"{config.get('name', 'unknown')}" + (f" ({shape})" if shape else "")
+
+
+def describe_foreign(dirpath: Union[str, Path], foreign: dict[object, list[Committed]]) -> str:
+    """One line: the folder, each other run's id, model and newest step, and the two ways on."""
+    runs = "; ".join(f"run {run_id or 'without run id'}: model {_model(items[0].path)}, newest step {items[0].step}, "
+                     f"{len(items)} checkpoint{'s' if len(items) > 1 else ''}" for run_id, items in foreign.items())
+    return (f"checkpoint folder {dirpath} holds checkpoints of another run ({runs}); this new run would mix its "
+            f"history into theirs. Give this run another dirpath, or pass FaultTolerantCheckpoint(..., "
+            f"on_foreign=\"archive\") to move the other run's checkpoints into "
+            f"{Path(dirpath) / ARCHIVE_PREFIX}<run_id>/ (nothing is deleted)")
+
+
+def archive_foreign(dirpath: Union[str, Path], foreign: dict[object, list[Committed]]) -> list[Path]:
+    """Move each other lineage's checkpoints into ``dirpath/archived-<run_id>/`` (renames only; a taken name gets
+    ``-2``, ``-3``, ...). Only one process may call it. Returns the new folders of the moved checkpoints."""
+    root = checkpoint_path(dirpath)
+    local = isinstance(root, Path)
+    moved = []
+    for run_id, items in foreign.items():
+        target = root / f"{ARCHIVE_PREFIX}{run_id or 'unlabelled'}"
+        target.mkdir(exist_ok=True)
+        for item in items:
+            destination = target / item.path.name
+            n = 1
+            while destination.exists():
+                n += 1
+                destination = target / f"{item.path.name}-{n}"
+            # A rename on a file system; on an object store a copy, manifest moved first (never two committed).
+            os.replace(item.path, destination) if local else move_checkpoint(item.path, destination, MANIFEST)
+            moved.append(destination)
+        if items:
+            (target / "latest").write_text(items[0].path.name + "\n")
+            if local:
+                fsync_dir(target)
+    if moved and local:
+        fsync_dir(root)
+    return moved
+
+
+def set_aside_same_step(final: Path) -> Optional[Path]:
+    """Rename a folder that holds ``final``'s name (another lineage's or an older branch's step) to
+    ``step-N.replaced`` (``-2``, ...), so the save of this step commits instead of being skipped. Returns the new
+    path, or ``None`` when there was none."""
+    if not final.exists():
+        return None
+    target = final.with_name(final.name + ".replaced")
+    n = 1
+    while target.exists():
+        n += 1
+        target = final.with_name(f"{final.name}.replaced-{n}")
+    os.replace(final, target)
+    return target
+
+
+def claim_folder(dirpath: Union[str, Path], source: Optional[Union[str, Path]], on_foreign: str,
+                 warn: Callable[[str], None]) -> tuple[Lineage, str]:
+    """The lineage of a run resuming from ``source`` (``None``: a new run) in ``dirpath``, and the one-line refusal
+    when another lineage's checkpoints are there and ``on_foreign="refuse"`` (else ``""``; with ``"archive"`` they
+    are moved and ``latest`` points at this lineage's newest). Only one process may call it."""
+    lineage = Lineage.resuming(source)
+    foreign = foreign_checkpoints(dirpath, lineage)
+    if not foreign:
+        return lineage, ""
+    if on_foreign == "refuse":
+        return lineage, describe_foreign(dirpath, foreign)
+    moved = archive_foreign(dirpath, foreign)
+    warn(f"on_foreign='archive': moved {len(moved)} checkpoint(s) of another run from {dirpath} into "
+         f"{', '.join(sorted({str(m.parent) for m in moved}))}")
+    own = lineage.own_checkpoints(dirpath)
+    if own:
+        update_latest(checkpoint_path(dirpath), own[0].path)
+    else:
+        (checkpoint_path(dirpath) / LATEST).unlink(missing_ok=True)
+    return lineage, ""
+
+
+def check_folder(dirpath: Union[str, Path], ckpt_path: Optional[Union[str, Path]], auto_resume: bool) -> None:
+    """The refusal of :func:`claim_folder` from the manifests alone, before any process starts (auto-resume is
+    taken to continue the newest checkpoint with a readable manifest).
+
+    Raises:
+        ForeignCheckpointsError: one line naming the folder, the other run and the ways on.
+    """
+    source = ckpt_path
+    if source is None and auto_resume:
+        readable = [c for c in committed_checkpoints(dirpath) if run_id_of(c.path) is not _UNREADABLE]
+        source = readable[0].path if readable else None
+    foreign = foreign_checkpoints(dirpath, Lineage.resuming(source))
+    if foreign:
+        raise ForeignCheckpointsError(describe_foreign(dirpath, foreign))
