@@ -49,16 +49,13 @@ from lightning_hybrid.planner.auto_setup import auto_fields, check_strategy_requ
 __all__ = ["HybridParallelStrategy", "PP_SCHEDULES"]
 
 class HybridParallelStrategy(ModelParallelStrategy):
-    """Tensor, pipeline and data parallelism combined on PyTorch's native stack.
+    """Tensor, pipeline, data and context parallelism combined on PyTorch's native stack.
 
-    The mesh is ``("pp", "dp", "cp", "tp")`` with TP innermost. A LightningModule that declares its model
-    (``parallel_spec()`` and a ``model`` with the parts it names, like
-    :class:`~lightning_hybrid.models.CausalLM`) is parallelized by the strategy: TP plan, then FSDP2
-    or replication over ``dp``, then materialized from the meta device with mesh-independent
-    initialization. A LightningModule whose ``configure_model`` parallelizes itself, written for
-    Lightning's ``ModelParallelStrategy``, keeps working with ``pp=1``: its ``device_mesh`` is Lightning's 2-D
-    mesh ``("data_parallel", "tensor_parallel")``, and Lightning's size keywords are accepted. Unlike
-    ``ModelParallelStrategy()`` (tp = devices per node), a bare ``HybridParallelStrategy()`` is tp=1, dp=world.
+    The mesh is ``("pp", "dp", "cp", "tp")``, TP innermost. A LightningModule that declares its model
+    (``parallel_spec()``, like :class:`~lightning_hybrid.models.CausalLM`) is built by the strategy: parallelized,
+    materialized from the meta device, initialized mesh-independently. One whose ``configure_model`` parallelizes
+    itself (for Lightning's ``ModelParallelStrategy``) keeps working with ``pp=1`` on Lightning's 2-D mesh; what it
+    leaves unsynchronized over dp is replicated. A bare ``HybridParallelStrategy()`` is tp=1, dp=world.
 
     Args:
         tp: tensor-parallel size; keep it within a node. ``"auto"`` here and in the seven options below: planned.
@@ -128,20 +125,17 @@ class HybridParallelStrategy(ModelParallelStrategy):
                                           if name in ParallelOptions.__dataclass_fields__})
         self.preflight = bool(preflight)
         self.replica_group_env, self.ft_timeout = check_fault_tolerance(fault_tolerance, min_replica_groups, ft_timeout)
-        self.replica_groups: Optional[ReplicaGroups] = None
-        self.replica_group_history: list[dict[str, Any]] = []  # per step: quorum size, committed (after training)
-        self.healed_from_peer = False  # a torchft group that healed from a live one (no auto-resume from disk)
+        self.replica_groups: Optional[ReplicaGroups] = None  # torchft; after training its per-step history below
+        self.replica_group_history, self.healed_from_peer = [], False  # healed: no auto-resume from disk
         self.hang_timeout = check_hang_timeout(hang_timeout)
         self._dims: Optional[ParallelDims] = None
         self._spec: Optional[ParallelSpec] = None
         self.pipeline: Optional[PipelineRunner] = None
         self._parallelized: Optional[torch.nn.Module] = None
-        self.checkpoint_group: Optional[Any] = None
-        self.background_checkpoint_group: Optional[Any] = None
+        self.checkpoint_group, self.background_checkpoint_group = None, None  # gloo groups for checkpoint I/O
         self.per_rank_batch_size: Optional[int] = None
         self.resume_position: Optional[dict[str, int]] = None
-        self.train_sampler: Optional[Any] = None
-        self.bubble_report: Optional[dict[str, Any]] = None
+        self.train_sampler, self.bubble_report = None, None  # the resumable sampler; the pipeline's bubble report
         self.step_guard = StepGuard()
         self.auto_plan: Optional[Any] = None  # the planner's decision when an option is "auto"
         self.weight_casts, self._loss_parallel = None, False  # bf16 copies made once per step, loss on shards
@@ -165,7 +159,7 @@ class HybridParallelStrategy(ModelParallelStrategy):
         return data_share(self.replica_group_env, self.dims.dp, self.dims.coordinates(self.global_rank)["dp"])
 
     @property
-    def _precision(self) -> str:
+    def _precision(self) -> str:  # the Trainer's precision flag, "32-true" where the plugin has none
         return str(getattr(self.precision_plugin, "precision", "32-true"))
 
     def _validate(self) -> None:
@@ -315,16 +309,12 @@ class HybridParallelStrategy(ModelParallelStrategy):
         return shard_batch(super().batch_to_device(batch, device, dataloader_idx), self)
 
     @override
-    def lightning_module_state_dict(self) -> dict[str, Any]:
-        if self._spec is None:
-            return super().lightning_module_state_dict()
-        return {}  # the sharded model state is collected by the checkpoint writer itself
+    def lightning_module_state_dict(self) -> dict[str, Any]:  # a declared model's shards: the checkpoint writer's
+        return super().lightning_module_state_dict() if self._spec is None else {}
 
     @override
     def optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:
-        if self._spec is None:
-            return super().optimizer_state(optimizer)
-        return {}
+        return super().optimizer_state(optimizer) if self._spec is None else {}
 
     def checkpoint_context(self) -> sharded.CheckpointContext:
         """What the checkpoint writer and loader need of this job (a :class:`~.sharded.CheckpointContext`)."""
