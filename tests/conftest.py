@@ -22,3 +22,14 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if item.get_closest_marker("distributed") or item.get_closest_marker("notebook"):
             item.add_marker(pytest.mark.slow)
+
+
+@pytest.fixture(autouse=True)
+def _no_process_group_left_behind():
+    """A test that trains in this process (a one-device HybridParallelStrategy initializes a one-rank process group,
+    which Lightning keeps after fit) must not hand that group to the next test."""
+    yield
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()

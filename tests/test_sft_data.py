@@ -157,7 +157,7 @@ def bad_input_error(capsys, tmp_path, tokenizer, records, *extra) -> str:
     code = prepare_main(["--format", "chat", "--tokenizer", tokenizer, "--input", src, "--output",
                          str(tmp_path / "out"), "--seq-len", "128", *extra])
     err = capsys.readouterr().err.strip()
-    assert code == 1 and len(err.splitlines()) == 1, err
+    assert code == 2 and len(err.splitlines()) == 1, err
     return err
 
 
@@ -198,7 +198,7 @@ def test_parquet_without_the_text_column_names_the_file(tmp_path, tokenizers, ca
     code = prepare_main(["--tokenizer", tokenizers["prefix"], "--input", str(tmp_path / "shard-*.parquet"),
                          "--output", str(tmp_path / "out"), "--seq-len", "4"])
     err = capsys.readouterr().err.strip()
-    assert code == 1 and len(err.splitlines()) == 1
+    assert code == 2 and len(err.splitlines()) == 1
     assert "shard-0.parquet" in err and "'text'" in err and "content" in err
 
 
