@@ -232,13 +232,6 @@ def check_options(options: ParallelOptions, world_size: int, devices_per_node: O
         raise ValueError(f"activation_checkpointing={options.activation_checkpointing!r}/compile={options.compile} "
                          f"need a LightningModule that declares its blocks (parallel_spec()); a module that "
                          f"parallelizes itself applies them in its own configure_model")
-    if options.compile and dims.tp > 1 and (options.sequence_parallel or options.activation_checkpointing != "none"):
-        raise ValueError(
-            f"compile=True with tp={dims.tp} and sequence_parallel={options.sequence_parallel}, "
-            f"activation_checkpointing={options.activation_checkpointing!r} trains with wrong gradients on torch "
-            f"{torch.__version__} (measured in lightning-hybrid's equivalence tests); with tp>1 use compile=True "
-            f"only without sequence_parallel and recompute, or compile=False"
-        )
     if spec is not None and num_blocks is not None:
         dims.check_model(spec.tp_divisible, num_blocks, options.virtual_stages)
     elif options.pp > 1:
