@@ -232,6 +232,12 @@ def check_options(options: ParallelOptions, world_size: int, devices_per_node: O
         raise ValueError(f"activation_checkpointing={options.activation_checkpointing!r}/compile={options.compile} "
                          f"need a LightningModule that declares its blocks (parallel_spec()); a module that "
                          f"parallelizes itself applies them in its own configure_model")
+    if (options.compile and dims.tp > 1 and not options.sequence_parallel
+            and options.activation_checkpointing == "selective" and options.selective_ac == "op"):
+        raise ValueError(
+            f"compile=True with tp={dims.tp}, activation_checkpointing='selective' (selective_ac='op') and "
+            f"sequence_parallel=False trains with wrong gradients on torch {torch.__version__} (docs/performance.md); "
+            f"use sequence_parallel=True, selective_ac='attention' or a stride k, or compile=False")
     if spec is not None and num_blocks is not None:
         dims.check_model(spec.tp_divisible, num_blocks, options.virtual_stages)
     elif options.pp > 1:

@@ -118,6 +118,9 @@ class Runtime:
         loss_parallel: the cross-entropy runs on vocabulary shards (torchtitan, Megatron); this project gathers
             the logits and computes the loss on the full vocabulary on every TP rank.
         selective: the selective recompute policy, a key of :data:`SELECTIVE_POLICIES`.
+        fsdp_regather: under a pipeline FSDP re-gathers each block for every micro-batch (it reshards after each
+            forward); ``False``: the stage is gathered once per step (``fsdp_reshard_after_forward`` off or
+            ``"auto"`` under ``pp > 1``).
     """
 
     fused_elementwise: bool = False
@@ -126,6 +129,7 @@ class Runtime:
     dp_overlap: bool = False
     loss_parallel: bool = False
     selective: str = "op"
+    fsdp_regather: bool = True
 
 
 @dataclass(frozen=True)
