@@ -134,16 +134,28 @@ def test_recompute_and_compile_switches_are_accepted_for_a_declared_model_and_re
         _validated(UserTPModule(), activation_checkpointing="full")
 
 
-@pytest.mark.parametrize("kwargs", [{"sequence_parallel": True}, {"activation_checkpointing": "selective"}])
-def test_compile_with_tp_and_sequence_parallel_or_recompute_is_refused_before_any_collective(kwargs):
+@pytest.mark.parametrize("kwargs", [{"sequence_parallel": True}, {"activation_checkpointing": "full"},
+                                    {"sequence_parallel": True, "activation_checkpointing": "selective"},
+                                    {"sequence_parallel": True, "activation_checkpointing": "full"}])
+def test_compile_with_tp_and_sequence_parallel_or_recompute_is_accepted(kwargs):
     import torch
 
     strategy = HybridParallelStrategy(tp=2, compile=True, **kwargs)
     strategy._lightning_module = CausalLM("tiny")
     strategy._parallel_devices = [torch.device("cpu")] * 2
     strategy.num_nodes = 1
-    with pytest.raises(ValueError,
-                       match=r"compile=True with tp=2 and sequence_parallel=.* trains with wrong gradients"):
+    strategy._validate()  # trained against one process in tests/test_compile_tp.py
+
+
+def test_compile_with_tp_and_op_level_recompute_without_sequence_parallel_is_refused_before_any_collective():
+    import torch
+
+    strategy = HybridParallelStrategy(tp=2, compile=True, activation_checkpointing="selective")
+    strategy._lightning_module = CausalLM("tiny")
+    strategy._parallel_devices = [torch.device("cpu")] * 2
+    strategy.num_nodes = 1
+    with pytest.raises(ValueError, match=r"compile=True with tp=2, activation_checkpointing='selective' "
+                                         r"\(selective_ac='op'\) and sequence_parallel=False trains with wrong"):
         strategy._validate()
 
 

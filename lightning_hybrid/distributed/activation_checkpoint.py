@@ -40,7 +40,7 @@ import torch
 from torch import nn
 
 __all__ = ["ACTIVATION_CHECKPOINTING", "SELECTIVE_AC", "apply_activation_checkpointing", "compile_blocks",
-           "recomputed", "resolve_selective"]
+           "compiled", "recomputed", "resolve_selective", "TP_COMPILE_WORKAROUND"]
 
 ACTIVATION_CHECKPOINTING = ("none", "selective", "full")
 SELECTIVE_AC = ("op", "attention")
@@ -97,7 +97,8 @@ def _recomputed_forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
 
     context_fn = self._recompute_context_fn
     extra = {"context_fn": context_fn} if context_fn is not None else {}
-    return checkpoint(type(self).forward, self, *args, use_reentrant=False, **extra, **kwargs)
+    body = getattr(self, "_recompute_body", None) or type(self).forward
+    return checkpoint(body, self, *args, use_reentrant=False, **extra, **kwargs)
 
 
 def recomputed(module: nn.Module) -> Optional[str]:
@@ -153,24 +154,66 @@ def apply_activation_checkpointing(blocks: nn.ModuleDict, mode: str, selective_a
     return done
 
 
+# Test switch: False compiles the TP parts as before the workaround (their call, donated buffers on), which trains
+# with wrong gradients under sequence parallelism or recompute (tests/test_compile_tp.py shows it).
+TP_COMPILE_WORKAROUND = True
+
+
+def _compiled_part_forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
+    # Inductor "donates" saved activations to its backward (overwrites them in place). Under recompute the
+    # tensors a compiled region saves come back from the non-reentrant checkpoint's replay, shared with the
+    # eager ops around it, and the donation overwrote them: wrong gradients (docs/performance.md). Off for
+    # these graphs only; the flag is read when the graph is compiled, on its first call.
+    with torch._functorch.config.patch(donated_buffer=False):
+        return self._compiled_forward_fn(self, *args, **kwargs)
+
+
 def compile_blocks(blocks: nn.ModuleDict, parts: Optional[tuple[str, ...]] = None,
                    **compile_kwargs: Any) -> list[str]:
-    """``torch.compile`` each block in place (``nn.Module.compile``: names and parameters unchanged).
+    """``torch.compile`` each block in place (names and parameters unchanged).
 
-    ``parts`` compiles those submodules of each block (the strategy passes attention and MLP under tensor
-    parallelism) instead of the whole block. Measured with torch 2.13 on gloo (tp=2): a compiled whole
-    block fails in backward (``'Tensor' object has no attribute '_local_tensor'`` in the eager
-    redistribute before it), and a compiled norm whose input is the plain local tensor of a DTensor
-    gets wrong gradients (max error 7e-2); compiled attention and MLP, whose TP hooks sit at the graph
-    boundary, match eager within 1e-6. Norms and residual adds then run eagerly.
+    Without ``parts`` (no tensor parallelism) the whole block is compiled (``nn.Module.compile``). With ``parts``
+    (the strategy passes attention and MLP under tensor parallelism) the ``forward`` of those submodules is
+    compiled and the rest of the block (norms, residual adds) runs eagerly. Two things make this exact on
+    torch 2.13 under TP with sequence parallelism and recompute (see docs/performance.md and
+    docs/compile-tp-repro.py):
+
+    * the part's ``forward`` is compiled, not its call: the TP hooks registered on the part itself (the
+      sequence-parallel all-gather of ``PrepareModuleInput``) stay eager at the graph boundary, so the graph
+      gets a replicated DTensor instead of redistributing its input inside;
+    * inductor's donated buffers are off for these graphs (see :func:`_compiled_part_forward`).
+
+    A part that is itself recomputed (``selective_ac="attention"``) runs its compiled forward inside the eager
+    checkpoint.
 
     Returns:
         The names (relative to ``blocks``) of the compiled modules.
     """
     done = []
+    compiled_fns: dict[type, Callable[..., Any]] = {}
     for name, block in blocks.items():
-        selected = [(p, getattr(block, p)) for p in parts] if parts else [("", block)]
-        for part_name, part in selected:
-            part.compile(**compile_kwargs)
-            done.append(f"{name}.{part_name}" if part_name else name)
+        if not parts:
+            block.compile(**compile_kwargs)
+            done.append(name)
+            continue
+        for part_name in parts:
+            part = getattr(block, part_name)
+            if not TP_COMPILE_WORKAROUND:
+                part.compile(**compile_kwargs)
+                done.append(f"{name}.{part_name}")
+                continue
+            cls = type(part)
+            if cls not in compiled_fns:  # one compiled function per class: blocks of one shape share its graph
+                compiled_fns[cls] = torch.compile(cls.forward, **compile_kwargs)
+            part._compiled_forward_fn = compiled_fns[cls]
+            if recomputed(part):  # the checkpoint (eager) replays the compiled forward
+                part._recompute_body = _compiled_part_forward
+            else:
+                part.forward = types.MethodType(_compiled_part_forward, part)
+            done.append(f"{name}.{part_name}")
     return done
+
+
+def compiled(module: nn.Module) -> bool:
+    """Whether :func:`compile_blocks` compiled ``module`` (its call or its forward)."""
+    return getattr(module, "_compiled_call_impl", None) is not None or hasattr(module, "_compiled_forward_fn")

@@ -271,13 +271,12 @@ def check_options(options: ParallelOptions, world_size: int, devices_per_node: O
         raise ValueError(f"activation_checkpointing={options.activation_checkpointing!r}/compile={options.compile} "
                          f"need a LightningModule that declares its blocks (parallel_spec()); a module that "
                          f"parallelizes itself applies them in its own configure_model")
-    if options.compile and dims.tp > 1 and (options.sequence_parallel or options.activation_checkpointing != "none"):
+    if (options.compile and dims.tp > 1 and not options.sequence_parallel
+            and options.activation_checkpointing == "selective" and options.selective_ac == "op"):
         raise ValueError(
-            f"compile=True with tp={dims.tp} and sequence_parallel={options.sequence_parallel}, "
-            f"activation_checkpointing={options.activation_checkpointing!r} trains with wrong gradients on torch "
-            f"{torch.__version__} (measured in lightning-hybrid's equivalence tests); with tp>1 use compile=True "
-            f"only without sequence_parallel and recompute, or compile=False"
-        )
+            f"compile=True with tp={dims.tp}, activation_checkpointing='selective' (selective_ac='op') and "
+            f"sequence_parallel=False trains with wrong gradients on torch {torch.__version__} (docs/performance.md); "
+            f"use sequence_parallel=True, selective_ac='attention' or a stride k, or compile=False")
     float8_problem = float8_error(options.float8, precision, spec, module_name,
                                   fsdp=dims.data_ranks > 1 and options.data_parallel != "replicate")
     if float8_problem:

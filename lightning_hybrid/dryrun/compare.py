@@ -66,6 +66,7 @@ def predict(job: DryRunJob, config: Any, dims: Any, options: Any, result: RankRe
     from lightning_hybrid.hardware import SYSTEM_GPUS
     from lightning_hybrid.planner.collectives import predicted_collectives
     from lightning_hybrid.planner.memory import rank_memory
+    from lightning_hybrid.planner.runtime import runtime_from_options
     from lightning_hybrid.planner.search import Problem, rank_memory_breakdown
     from lightning_hybrid.planner.step_time import Hardware
 
@@ -74,7 +75,8 @@ def predict(job: DryRunJob, config: Any, dims: Any, options: Any, result: RankRe
     state = rank_memory(config, dims.tp, dims.pp, dims.dp, options.data_parallel, c["pp"], c["tp"], c["dp"],
                         job.precision, "adamw", options.virtual_stages, stage_style)
     hw = Hardware(SYSTEM_GPUS[gpu], job.world_size, job.devices_per_node)
-    problem = Problem(config, hw, job.seq_len, job.batch_size * dims.dp, job.precision)
+    problem = Problem(config, hw, job.seq_len, job.batch_size * dims.dp, job.precision,
+                      runtime=runtime_from_options(job.strategy, job.precision))
     layout = _layout(job, dims, options)
     memory = rank_memory_breakdown(problem, layout, c["pp"])
     figures = {"parameters": state["param_bytes"], "gradients": state["grad_bytes"],

@@ -11,7 +11,12 @@ from typing import Any, Optional
 __all__ = ["DryRunJob", "load_job"]
 
 _DROPPED_STRATEGY_ARGS = ("timeout", "hang_timeout", "preflight", "process_group_backend",
-                         "save_distributed_checkpoint")
+                         "save_distributed_checkpoint",
+                         # one replica group of a torchft job is traced (no lighthouse on the fake process group)
+                         "fault_tolerance", "min_replica_groups", "ft_timeout",
+                         # the blocks are traced eagerly: compiling 40 blocks' graphs per rank on fake tensors would
+                         # take longer than the whole dry run, and these change kernels, not bytes held or collectives
+                         "compile", "async_tp")
 
 
 @dataclass(frozen=True)

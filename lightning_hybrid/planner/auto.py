@@ -39,6 +39,7 @@ from lightning_hybrid.distributed.parallelize import AUTO, AUTO_FIELDS, Parallel
 from lightning_hybrid.distributed.pipeline.schedules import validate_schedule
 from lightning_hybrid.models.qwen2.config import Qwen2Config
 from lightning_hybrid.planner.memory import RECOMPUTE
+from lightning_hybrid.planner.runtime import RUNTIME_OPTIONS, runtime_from_options
 from lightning_hybrid.planner.search import PIPELINE_SCHEDULES, Estimate, Layout, Problem, estimate, layout_reason
 from lightning_hybrid.planner.step_time import Hardware
 
@@ -228,12 +229,13 @@ def plan_layout(options: ParallelOptions, config: Qwen2Config, hw: Hardware, sha
     closest: Optional[Estimate] = None
     reasons: list[str] = []
     stages = _split_stages(options)
+    runtime = runtime_from_options({k: getattr(options, k) for k in RUNTIME_OPTIONS if hasattr(options, k)}, precision)
     for tp, pp, dp in _sizes(options, hw.gpus, hw.gpus_per_node):
         per_replica = shape.per_replica(dp)
         if per_replica is None:
             reasons.append(f"dp={dp} does not divide the global batch {shape.batch}")
             continue
-        problem = Problem(config, hw, shape.seq_len, per_replica * dp, precision,
+        problem = Problem(config, hw, shape.seq_len, per_replica * dp, precision, runtime=runtime,
                           **({"time_model": time_model} if time_model is not None else {}))
         for layout in _layouts(options, tp, pp, dp, per_replica):
             if stages is not None and pp * layout.virtual_stages != stages:

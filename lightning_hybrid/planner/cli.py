@@ -18,8 +18,10 @@ from lightning_hybrid.planner.interval import (
     checkpoint_plan,
 )
 from lightning_hybrid.planner.memory import OPTIMIZERS, PRECISIONS
+from lightning_hybrid.planner.recipe_plan import format_recipe_plan, plan_recipe
+from lightning_hybrid.planner.runtime import runtime_features, runtime_from_options
 from lightning_hybrid.planner.search import Estimate, Layout, Problem, explain, search
-from lightning_hybrid.planner.step_time import GEMM_PEAK_EFFICIENCY, Hardware, Runtime
+from lightning_hybrid.planner.step_time import GEMM_PEAK_EFFICIENCY, Hardware
 
 __all__ = ["build_parser", "build_problem", "run_plan", "assumptions", "explain_time", "format_table"]
 
@@ -34,9 +36,13 @@ def build_parser() -> argparse.ArgumentParser:
         description="Rank tp/pp/dp/micro-batch/recompute layouts by predicted step time among those that fit.")
     p.add_argument("--model", default="qwen2.5-72b",
                    help=f"preset ({', '.join(PRESETS)}) or a folder with a Hugging Face config.json")
-    p.add_argument("--gpus", type=int, required=True, help="total GPUs")
+    p.add_argument("--config", metavar="RECIPE_YAML",
+                   help="plan exactly this `lightning-hybrid fit` recipe (its model, GPUs, layout, precision and "
+                        "runtime features; the GPU type from --gpu or the recipe's `# plan:` line) beside the fastest "
+                        "layout")
+    p.add_argument("--gpus", type=int, help="total GPUs (required without --config)")
     p.add_argument("--gpus-per-node", type=int, default=8, help="GPUs per node; tp stays inside a node (default 8)")
-    p.add_argument("--gpu", default="h100", choices=sorted(SYSTEM_GPUS), help="GPU type for the defaults below (h100)")
+    p.add_argument("--gpu", default=None, choices=sorted(SYSTEM_GPUS), help="GPU type for the defaults below (h100)")
     p.add_argument("--seq-len", type=int, default=4096, help="tokens per sequence (4096)")
     p.add_argument("--global-batch", type=int, default=None,
                    help=f"sequences per optimizer step (default: {DEFAULT_BATCH_TOKENS} tokens / seq-len)")
@@ -81,6 +87,8 @@ def build_problem(args: argparse.Namespace) -> Problem:
     Raises:
         ValueError: a flag is out of range (one line naming it and what would fit).
     """
+    if args.gpus is None:
+        raise ValueError("--gpus is required (or plan a recipe with --config RECIPE.yaml)")
     for name in ("gpus", "gpus_per_node", "seq_len", "global_batch", "gpu_memory_gb", "peak_tflops",
                  "intra_node_gbps", "inter_node_gbps", "mtbf_hours", "save_seconds", "compute_efficiency",
                  "link_efficiency", "top"):
@@ -89,14 +97,15 @@ def build_problem(args: argparse.Namespace) -> Problem:
         raise ValueError(f"--gpus={args.gpus} is not a whole number of nodes of --gpus-per-node={args.gpus_per_node}; "
                          f"use a multiple of {args.gpus_per_node}")
     config = Qwen2Config.resolve(args.model)
-    hw = Hardware(SYSTEM_GPUS[args.gpu], args.gpus, min(args.gpus_per_node, args.gpus),
+    hw = Hardware(SYSTEM_GPUS[args.gpu or "h100"], args.gpus, min(args.gpus_per_node, args.gpus),
                   compute_efficiency=args.compute_efficiency, link_efficiency=args.link_efficiency)
     hw = hw.with_overrides(args.gpu_memory_gb, args.peak_tflops, args.intra_node_gbps, args.inter_node_gbps)
     if getattr(args, "calibrate", None):
         hw = calibrate_hardware(hw, load_preflight(args.calibrate))
     batch = args.global_batch or max(1, DEFAULT_BATCH_TOKENS // args.seq_len)
-    runtime = Runtime(float8=getattr(args, "float8", None))
-    return Problem(config, hw, args.seq_len, batch, args.precision, args.optimizer, runtime=runtime)
+    # the strategy's defaults: what `fit` runs when a recipe sets none of the runtime options (and --float8)
+    return Problem(config, hw, args.seq_len, batch, args.precision, args.optimizer,
+                   runtime=runtime_from_options({"float8": getattr(args, "float8", None)}, args.precision))
 
 
 def assumptions(p: Problem) -> list[str]:
@@ -226,6 +235,8 @@ def run_plan(argv: Optional[list[str]] = None) -> int:
     """Parse ``argv``, search, print the report; 0 when a layout fits, 1 when none does, 2 on a bad flag."""
     parser = build_parser()
     args = parser.parse_args(argv)
+    if args.config:
+        return _run_recipe_plan(args)
     try:
         p = build_problem(args)
         explain_meshes = [_parse_mesh(s) for s in args.explain if s != EXPLAIN_BEST]
@@ -252,13 +263,32 @@ def run_plan(argv: Optional[list[str]] = None) -> int:
                "layouts": [e.to_dict() for e in feasible], "feasible_count": len(feasible),
                "infeasible": [e.to_dict() for e in infeasible], "explanations": explanations,
                "step_time_explained": [dict(e.to_dict(), lines=explain_time(e)) for e in timed],
-               "checkpoint": checkpoint, "message": message or None}
+               "checkpoint": checkpoint, "message": message or None, "runtime": runtime_features(p.runtime)}
         print(json.dumps(doc, indent=1))
         return 0 if feasible else 1
     _print_report(p, args.top, feasible, infeasible, explanations, timed, checkpoint)
     if not feasible:  # the reason and the fix come last, where a user looks first
         print(message, file=sys.stderr, flush=True)
     return 0 if feasible else 1
+
+
+def _run_recipe_plan(args: argparse.Namespace) -> int:
+    """``plan --config``: the recipe's own layout beside the fastest; 0 when the recipe's layout fits, 1 when not,
+    2 on a bad recipe."""
+    try:
+        plan = plan_recipe(args.config, args.gpu)
+    except ValueError as err:
+        print(f"lightning-hybrid plan: error: {err}", file=sys.stderr)
+        return 2
+    if args.json:
+        print(json.dumps(plan.to_dict(), indent=1))
+    else:
+        print("\n".join(format_recipe_plan(plan)))
+        if args.explain:
+            for e in (plan.recipe, plan.fastest):
+                if e is not None:
+                    print("\n" + "\n".join(explain_time(e)))
+    return 0 if plan.recipe.fits else 1
 
 
 def _explained_estimates(best: bool, feasible: list[Estimate], meshes: list[tuple[int, int, str]]) -> list[Estimate]:
@@ -285,6 +315,9 @@ def _print_report(p: Problem, top: int, feasible: list[Estimate], infeasible: li
         print(f"\n{len(feasible)} layouts fit; the fastest {min(top, len(feasible))} "
               "(memory in GB on the fullest rank, time in s per optimizer step):")
         print(format_table(feasible[:top]))
+    if timed:
+        print("\nruntime features: " + ", ".join(f"{name} {'on' if on else 'off'}"
+                                                 for name, on in runtime_features(p.runtime).items()))
     for e in timed:
         print("\n" + "\n".join(explain_time(e)))
     print("\nwhy not simpler layouts:")

@@ -475,11 +475,12 @@ def _data_parallel_seconds(problem: Problem, layout: Layout, shape: _LayoutShape
         regather = dp_collective("all_gather", _block_numel(problem.config, layout.tp) * param_bytes) * state["blocks"]
         # traced for 1F1B and GPipe; the multi-stage schedules' UNSHARD/RESHARD actions are not: once per step there
         single = layout.virtual_stages == 1 and layout.schedule in ("1f1b", "gpipe")
-        extra = fsdp_block_gathers(layout.pp, layout.microbatches) - 1 if single else 0
+        extra = fsdp_block_gathers(layout.pp, layout.microbatches) - 1 if single and rt.fsdp_regather else 0
         if hw.scheduling_wait_s:  # no spare core: nothing runs alongside
             return gather + scatter + extra * regather
         exposed = extra * max(0.0, regather - slowest.work.total)  # prefetched behind the micro-batch's compute
-        return (max(0.0, gather + scatter - window) if rt.dp_overlap else gather + scatter) + exposed
+        overlapped = rt.dp_overlap or not rt.fsdp_regather  # gathered once per step: the reduce-scatter overlaps
+        return (max(0.0, gather + scatter - window) if overlapped else gather + scatter) + exposed
     per_microbatch = 2 * gather + scatter  # forward and backward all-gather, one reduce-scatter
     if hw.scheduling_wait_s:  # no spare core: no core is free to run the prefetched collectives alongside
         return layout.microbatches * per_microbatch

@@ -125,6 +125,9 @@ class Runtime:
         selective: the selective recompute policy, a key of :data:`SELECTIVE_POLICIES`.
         float8: ``None`` or the float8 recipe of the block linears (``"tensorwise"``, ``"rowwise"``, ``"mxfp8"``):
             their GEMMs run at the fp8 peak times :data:`FLOAT8_GEMM_EFFICIENCY`.
+        fsdp_regather: under a pipeline FSDP re-gathers each block for every micro-batch (it reshards after each
+            forward); ``False``: the stage is gathered once per step (``fsdp_reshard_after_forward`` off or
+            ``"auto"`` under ``pp > 1``).
     """
 
     fused_elementwise: bool = False
@@ -134,6 +137,7 @@ class Runtime:
     loss_parallel: bool = False
     selective: str = "op"
     float8: Optional[str] = None
+    fsdp_regather: bool = True
 
 
 @dataclass(frozen=True)
