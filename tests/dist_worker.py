@@ -65,7 +65,9 @@ def _fit(config: dict, kind: str, trainer_extra: dict, callbacks: list, ckpt_pat
     if max_steps is not None:
         kwargs["max_steps"] = max_steps
     trainer = L.Trainer(strategy=HybridParallelStrategy(**config), devices=world, callbacks=callbacks, **kwargs)
-    if "auto" in config.values():  # the planner picks dp: a datamodule keeps the global batch; the resume is
+    from lightning_hybrid.distributed.parallelize import AUTO_FIELDS
+
+    if any(config.get(k) == "auto" for k in AUTO_FIELDS):  # the planner picks dp: a datamodule keeps the global batch; the resume is
         from helpers.auto_data import GlobalBatchData  # announced before fit so the manifest's layout is kept
 
         trainer.ckpt_path = ckpt_path

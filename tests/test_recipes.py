@@ -81,7 +81,10 @@ def resolve_auto(config: dict[str, Any], gpu: Optional[str] = None, gpus: Option
 def strategy_args(config: dict[str, Any]) -> dict[str, Any]:
     """The recipe's strategy arguments, with "auto" resolved as the strategy would."""
     args = config["trainer"]["strategy"]["init_args"]
-    return resolve_auto(config) if "auto" in args.values() else args
+    from lightning_hybrid.distributed.parallelize import AUTO_FIELDS
+
+    planned = any(args.get(name) == "auto" for name in AUTO_FIELDS)  # not fsdp_reshard_after_forward's "auto"
+    return resolve_auto(config) if planned else args
 
 
 def plan_line(recipe: Path) -> str:
