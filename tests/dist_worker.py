@@ -67,8 +67,10 @@ def _fit(config: dict, kind: str, trainer_extra: dict, callbacks: list, ckpt_pat
     trainer = L.Trainer(strategy=HybridParallelStrategy(**config), devices=world, callbacks=callbacks, **kwargs)
     from lightning_hybrid.distributed.parallelize import AUTO_FIELDS
 
-    if any(config.get(k) == "auto" for k in AUTO_FIELDS):  # the planner picks dp: a datamodule keeps the global batch; the resume is
-        from helpers.auto_data import GlobalBatchData  # announced before fit so the manifest's layout is kept
+    # The planner picks dp: a datamodule keeps the global batch; the resume is announced before fit so the manifest's
+    # layout is kept.
+    if any(config.get(k) == "auto" for k in AUTO_FIELDS):
+        from helpers.auto_data import GlobalBatchData
 
         trainer.ckpt_path = ckpt_path
         data = GlobalBatchData()
