@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
-import re
-import shlex
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Optional
+
+from lightning_hybrid.recipe_file import read_recipe, recipe_gpu
 
 __all__ = ["DryRunJob", "load_job"]
 
@@ -66,16 +66,6 @@ class DryRunJob:
         return replace(self, strategy={**self.strategy, **changes})
 
 
-def _plan_gpu(text: str) -> Optional[str]:
-    for line in text.splitlines():
-        match = re.match(r"#\s*plan:\s*(.*)", line)
-        if match:
-            words = shlex.split(match.group(1))
-            if "--gpu" in words and words.index("--gpu") + 1 < len(words):
-                return words[words.index("--gpu") + 1]
-    return None
-
-
 def _int(section: dict, key: str, where: str, default: Optional[int] = None) -> int:
     value = section.get(key, default)
     if not isinstance(value, int) or isinstance(value, bool) or value < 1:
@@ -90,27 +80,13 @@ def load_job(path: str) -> DryRunJob:
         ValueError: the file is missing, is not YAML, or lacks what the dry run needs (devices, batch size, seq_len,
             a ``HybridParallelStrategy``).
     """
-    import yaml
-
-    file = Path(path)
-    if not file.is_file():
-        raise ValueError(f"--config {path}: no such file")
-    text = file.read_text()
-    try:
-        config = yaml.safe_load(text) or {}
-    except yaml.YAMLError as err:
-        raise ValueError(f"--config {path}: not valid YAML ({str(err).splitlines()[0]})") from None
-    trainer = config.get("trainer") or {}
-    strategy = trainer.get("strategy") or {}
-    if not isinstance(strategy, dict) or not str(strategy.get("class_path", "")).endswith("HybridParallelStrategy"):
-        raise ValueError(f"--config {path}: trainer.strategy must be lightning_hybrid.HybridParallelStrategy "
-                         f"for a dry run; got {strategy!r}")
+    text, config, trainer, strategy = read_recipe(path, " for a dry run")
     data = (config.get("data") or {}).get("init_args") or {}
     init_args = {k: v for k, v in (strategy.get("init_args") or {}).items() if k not in _DROPPED_STRATEGY_ARGS}
     return DryRunJob(
-        name=file.name, num_nodes=_int(trainer, "num_nodes", "trainer", 1),
+        name=Path(path).name, num_nodes=_int(trainer, "num_nodes", "trainer", 1),
         devices_per_node=_int(trainer, "devices", "trainer"), precision=str(trainer.get("precision", "32-true")),
         strategy=init_args, model=dict(config.get("model") or {}), batch_size=_int(data, "batch_size", "data"),
         seq_len=_int(data, "seq_len", "data"), gradient_clip_val=trainer.get("gradient_clip_val"),
         accumulate_grad_batches=int(trainer.get("accumulate_grad_batches") or 1),
-        seed=int(config.get("seed_everything") or 0), plan_gpu=_plan_gpu(text))
+        seed=int(config.get("seed_everything") or 0), plan_gpu=recipe_gpu(text))

@@ -8,10 +8,7 @@ as plain data: nothing here builds a strategy or a mesh.
 
 from __future__ import annotations
 
-import re
-import shlex
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any, Optional
 
 from lightning_hybrid.hardware import SYSTEM_GPUS
@@ -19,19 +16,9 @@ from lightning_hybrid.models.qwen2.config import Qwen2Config
 from lightning_hybrid.planner.runtime import runtime_features, runtime_from_options
 from lightning_hybrid.planner.search import Estimate, Layout, Problem, estimate, search
 from lightning_hybrid.planner.step_time import Hardware
+from lightning_hybrid.recipe_file import read_recipe, recipe_gpu
 
 __all__ = ["RecipePlan", "format_recipe_plan", "plan_recipe", "recipe_gpu"]
-
-
-def recipe_gpu(text: str) -> Optional[str]:
-    """The ``--gpu`` of the recipe header's ``# plan:`` line, when it has one."""
-    for line in text.splitlines():
-        match = re.match(r"#\s*plan:\s*(.*)", line)
-        if match:
-            words = shlex.split(match.group(1))
-            if "--gpu" in words and words.index("--gpu") + 1 < len(words):
-                return words[words.index("--gpu") + 1]
-    return None
 
 
 @dataclass
@@ -66,20 +53,7 @@ def plan_recipe(path: str, gpu: Optional[str] = None) -> RecipePlan:
         ValueError: no such file, not YAML, no ``HybridParallelStrategy``, an ``"auto"`` size (plan it without
             ``--config``), a missing GPU type, or a layout that does not divide the world.
     """
-    import yaml
-
-    file = Path(path)
-    if not file.is_file():
-        raise ValueError(f"--config {path}: no such file")
-    text = file.read_text()
-    try:
-        doc = yaml.safe_load(text) or {}
-    except yaml.YAMLError as err:
-        raise ValueError(f"--config {path}: not valid YAML ({str(err).splitlines()[0]})") from None
-    trainer = doc.get("trainer") or {}
-    strategy = trainer.get("strategy") or {}
-    if not isinstance(strategy, dict) or not str(strategy.get("class_path", "")).endswith("HybridParallelStrategy"):
-        raise ValueError(f"--config {path}: trainer.strategy must be lightning_hybrid.HybridParallelStrategy")
+    text, doc, trainer, strategy = read_recipe(path)
     s = dict(strategy.get("init_args") or {})
     gpu = gpu or recipe_gpu(text)
     if gpu not in SYSTEM_GPUS:
