@@ -128,26 +128,14 @@ def iter_documents(files: Iterable[Union[str, Path]], text_key: str = "text", te
         path = Path(name)
         if not path.exists():
             raise FileNotFoundError(f"input {path} does not exist")
-        if path.suffix.lower() in PARQUET_SUFFIXES or path.suffix.lower() in ARROW_SUFFIXES or path.is_dir():
-            for location, record in iter_records([path], text_key):
-                text = record[text_key]
+        suffix = path.suffix.lower()
+        if suffix in PARQUET_SUFFIXES or suffix in ARROW_SUFFIXES or suffix in _JSONL_SUFFIXES or path.is_dir():
+            for location, record in iter_records([path], text_key):  # JSON lines, Parquet rows, datasets records
+                text = record.get(text_key) if isinstance(record, dict) else None
                 if not isinstance(text, str):
-                    raise ValueError(f"{location}: column {text_key!r} holds {type(text).__name__}, not text")
+                    raise ValueError(f"{location}: no string field {text_key!r}; pass --text-key with the field "
+                                     f"that holds the text")
                 yield text
-        elif path.suffix.lower() in _JSONL_SUFFIXES:
-            with path.open(encoding="utf-8") as lines:
-                for number, line in enumerate(lines, start=1):
-                    if not line.strip():
-                        continue
-                    try:
-                        record = json.loads(line)
-                    except json.JSONDecodeError as err:
-                        raise ValueError(f"{path}:{number}: not valid JSON ({err.msg})") from err
-                    text = record.get(text_key) if isinstance(record, dict) else None
-                    if not isinstance(text, str):
-                        raise ValueError(f"{path}:{number}: no string field {text_key!r}; pass --text-key with the "
-                                         f"field that holds the text")
-                    yield text
         elif text_mode == "line":
             with path.open(encoding="utf-8") as lines:
                 for line in lines:
