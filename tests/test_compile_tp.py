@@ -48,12 +48,13 @@ def test_compile_with_tp_sp_and_recompute_trains_like_one_process(compiled_runs,
     assert err["loss"] < COMPILE_TOL and err["weights"] < COMPILE_TOL, err
 
 
-@pytest.mark.parametrize("workaround", ["on", "off"])
-def test_the_reproduction_in_docs_is_exact_only_with_the_workaround(workaround):
-    result = torchrun(2, [str(REPRO), "--workaround", workaround], timeout=1200, check=False)
+def test_the_reproduction_in_docs_is_exact_with_the_workaround(tmp_path):
+    """``--workaround off`` is not tested: exact with fresh caches, wrong with warm ones (docs/performance.md)."""
+    # Compiled afresh (no inductor/AOTAutograd cache shared with the suite's other compiled runs): the reproduction
+    # is about what inductor generates for these graphs, not about an artifact another run left in the cache.
+    fresh = {"TORCHINDUCTOR_FX_GRAPH_CACHE": "0", "TORCHINDUCTOR_AUTOGRAD_CACHE": "0",
+             "TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "inductor")}
+    result = torchrun(2, [str(REPRO), "--workaround", "on"], timeout=1200, check=False, env=fresh)
     errors = [float(e) for e in re.findall(r"max relative gradient error (\S+)", result.stdout)]
     assert len(errors) == 2, result.stdout[-2000:] + result.stderr[-4000:]
-    if workaround == "on":
-        assert result.returncode == 0 and max(errors) < 1e-5, result.stdout
-    else:  # the bug is still in torch; when this fails, torch fixed it and the workaround can go
-        assert result.returncode != 0 and min(errors) > 1e-2, result.stdout
+    assert result.returncode == 0 and max(errors) < 1e-5, result.stdout
