@@ -4,7 +4,8 @@ One Qwen2 block (the tiny preset) on tp=2 (gloo, CPU), sequence parallel (torch'
 ``PrepareModuleInput`` all-gather in front of attention and MLP), recompute (full or selective op-level) and
 attention + MLP compiled with inductor. Gradients are compared with the same block on one process (no TP, eager).
 
-    torchrun --nproc_per_node 2 docs/compile-tp-repro.py --workaround off   # torch 2.13: grad error ~1
+    torchrun --nproc_per_node 2 docs/compile-tp-repro.py --workaround off   # torch 2.13: grad error ~1 with warm
+                                                                            # inductor caches; exact compiled afresh
     torchrun --nproc_per_node 2 docs/compile-tp-repro.py --workaround on    # lightning-hybrid's order: ~5e-7
 
 ``--workaround off`` compiles each part's call (``nn.Module.compile``), so the ``PrepareModuleInput`` hook's
