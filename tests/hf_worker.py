@@ -21,6 +21,7 @@ from helpers.gather import first_prediction, gather_objects
 from helpers.worker_exit import end_worker
 from lightning_hybrid import HybridParallelStrategy
 from lightning_hybrid.distributed.init_weights import local_region
+from lightning_hybrid.distributed.tensor_parallel import full_vocabulary
 from lightning_hybrid.models import CausalLM, Qwen2Config
 from lightning_hybrid.models.qwen2 import hf
 
@@ -55,8 +56,9 @@ def main() -> None:
     fsdp_held = sum(local_region(p)[0].numel() * itemsize for p in fsdp_module.model.parameters())
     fsdp_reads = gather_objects({"rank": dist.get_rank(), "bytes_read": hf.read_stats.bytes_read,
                                  "held_bytes": fsdp_held})
-    with torch.no_grad():
-        fsdp_logits = fsdp_module.model(inputs)  # every rank runs the whole batch; the logits are replicated
+    with torch.no_grad():  # every rank runs the whole batch; under loss parallel (the default) the head's output is
+        # this TP rank's vocabulary shard, which the strategy gathers for prediction (as predict_step does)
+        fsdp_logits = full_vocabulary(fsdp_module.model(inputs), fsdp_trainer.strategy.device_mesh)
     del fsdp_module, fsdp_trainer
 
     g = torch.Generator().manual_seed(1)
