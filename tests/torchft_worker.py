@@ -52,7 +52,8 @@ class Record(L.Callback):
                            "lr": optimizer.param_groups[0]["lr"], "adam_steps": adam_steps, "inputs": self.inputs,
                            "loss": float(trainer.callback_metrics["train_loss"]),
                            "restart": int(env("TORCHELASTIC_RESTART_COUNT", "0")), **last})
-        if self.group == "0" and env("KILL_AT") and last.get("participants", 2) < 2:
+        killed = Path(env("OUT"), "killed_at").exists()  # not before: a group that starts late joins by itself
+        if self.group == "0" and env("KILL_AT") and killed and last.get("participants", 2) < 2:
             # Degraded: give the killed group time to come back before this one ends (its restart takes 15-60 s
             # here); then a short pause per step until the group is back in the quorum.
             deadline = time.monotonic() + 240
