@@ -108,12 +108,12 @@ def test_python_m_planner_json_works_as_written():
 
 def test_a_model_that_fits_nowhere_gets_a_clear_message(capsys):
     argv = ["--model", "qwen2.5-72b", "--gpus", "8", "--gpus-per-node", "8", "--gpu", "h100", "--seq-len", "4096"]
-    assert plan_main(argv) == 1
+    assert plan_main(argv) == 2
     err = capsys.readouterr().err
     line = next(line for line in err.splitlines() if line.startswith("nothing fits"))
     assert "qwen2.5-72b" in line and "8 x h100" in line and "needs" in line and "GB per GPU" in line
     assert "use about" in line and "GPUs" in line
-    assert plan_main(argv + ["--json"]) == 1
+    assert plan_main(argv + ["--json"]) == 2
     doc = json.loads(capsys.readouterr().out)
     assert doc["layouts"] == [] and doc["message"].startswith("nothing fits")
 

@@ -265,11 +265,11 @@ def run_plan(argv: Optional[list[str]] = None) -> int:
                "step_time_explained": [dict(e.to_dict(), lines=explain_time(e)) for e in timed],
                "checkpoint": checkpoint, "message": message or None, "runtime": runtime_features(p.runtime)}
         print(json.dumps(doc, indent=1))
-        return 0 if feasible else 1
+        return 0 if feasible else 2  # a layout that cannot work: a configuration error (exit 2)
     _print_report(p, args.top, feasible, infeasible, explanations, timed, checkpoint)
     if not feasible:  # the reason and the fix come last, where a user looks first
         print(message, file=sys.stderr, flush=True)
-    return 0 if feasible else 1
+    return 0 if feasible else 2
 
 
 def _run_recipe_plan(args: argparse.Namespace) -> int:
