@@ -318,8 +318,8 @@ class HybridParallelStrategy(ModelParallelStrategy):
 
     def checkpoint_context(self) -> sharded.CheckpointContext:
         """What the checkpoint writer and loader need of this job (a :class:`~.sharded.CheckpointContext`)."""
-        dims, module = self.dims, self.lightning_module
-        position = data_position(module._trainer, self.per_rank_batch_size, dims.dp, self.train_sampler)
+        dims, module, data_ranks = self.dims, self.lightning_module, self.distributed_sampler_kwargs["num_replicas"]
+        position = data_position(module._trainer, self.per_rank_batch_size, data_ranks, self.train_sampler)
         return sharded.CheckpointContext(module, list(self.optimizers), self.global_rank, self.world_size,
                                          self.checkpoint_group, self.background_checkpoint_group,
                                          self.options.layout(dims), position)

@@ -121,11 +121,9 @@ def _check_kill_and_rejoin(records: dict) -> None:
     assert all(math.isfinite(s["loss"]) for s in live["steps"] + back["steps"])
     # Each group reads its own share of every global batch; the healed group continues at the live group's data
     # position (the share of the steps it missed is skipped, not redistributed: the live group's shares are unchanged).
-    # Known defect (issue #31 left open): the healed group's *first* step trains on a batch that is no global batch's
-    # share; from its second step on it reads exactly its share. The live group is unaffected.
+    # Its first step included: the peer's data position counts the samples of both groups' data ranks.
     for group, run in ((0, live), (1, back)):
-        steps = run["steps"] if group == 0 else run["steps"][1:]
-        for s in steps:
+        for s in run["steps"]:
             assert torch.equal(s["inputs"], _expected_inputs(group, s["step"])), (group, s["step"])
     assert [h["participants"] for h in live["history"]][-1] == 2
 
@@ -142,6 +140,33 @@ def test_a_killed_replica_group_heals_and_rejoins_while_the_other_trains_on(tmp_
 @pytest.mark.timeout(1000)
 def test_a_killed_pipeline_replica_group_heals_and_rejoins(tmp_path):
     _check_kill_and_rejoin(_kill_scenario(tmp_path, tp=1, pp=2))
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+@pytest.mark.timeout(1000)
+def test_a_replica_group_that_starts_late_heals_and_reads_its_share_from_its_first_step(tmp_path):
+    """Group 1 starts once group 0 trained 2 steps alone: it heals at its first quorum (weights, optimizer, loops,
+    data position) and from its first step on reads its own share of each global batch."""
+    records = run_groups(tmp_path, 2, {"TP": 2, "STEPS": STEPS, "LATE_AFTER": 2, "STEP_SLEEP": 1}, min_replicas=1,
+                         timeout=900)
+    live, late = records["0_0"], records["1_0"]
+    assert [s["step"] for s in live["steps"]] == list(range(1, STEPS + 1))
+    assert [s["participants"] for s in live["steps"][:2]] == [1, 1]
+    first = late["steps"][0]
+    assert first["step"] > 2 and first["healed_at"] == first["step"] - 1 and first["participants"] == 2, first
+    assert [s["step"] for s in late["steps"]] == list(range(first["step"], STEPS + 1))
+    assert all(s["committed"] for s in live["steps"] + late["steps"])
+    for rank in (0, 1):
+        a, b = records[f"0_{rank}"]["local"], records[f"1_{rank}"]["local"]
+        assert set(a) == set(b) and all(torch.equal(a[k], b[k]) for k in a), rank
+    for group, run in ((0, live), (1, late)):
+        for s in run["steps"]:
+            assert torch.equal(s["inputs"], _expected_inputs(group, s["step"])), (group, s["step"])
+    # The healed group took the live group's LR schedule and optimizer step count with it.
+    by_step = {s["step"]: s for s in live["steps"]}
+    assert all(s["lr"] == by_step[s["step"]]["lr"] and s["adam_steps"] == by_step[s["step"]]["adam_steps"]
+               for s in late["steps"])
 
 
 # ---------------------------------------------------------------- bad input (one process, no launch)

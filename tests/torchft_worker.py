@@ -4,7 +4,8 @@ Environment: OUT (results folder), STEPS, TP, PP, DP_SHARD (data_parallel="hsdp"
 REFERENCE (1: train as one launch without torchft), KILL_AT (group KILL_GROUP's rank 0 SIGKILLs every process of
 its group in the middle of the first step from there on that both groups are in, first attempt only; while
 degraded, group 0 then waits for the killed group's restart and pauses STEP_SLEEP seconds per step, so that it
-rejoins while the other still trains), plus torchft's REPLICA_GROUP_ID, NUM_REPLICA_GROUPS and
+rejoins while the other still trains), LATE_AFTER (group 1 starts only once group 0 finished that many steps alone;
+group 0 pauses STEP_SLEEP seconds per step until group 1 is in its quorum), plus torchft's REPLICA_GROUP_ID, NUM_REPLICA_GROUPS and
 TORCHFT_LIGHTHOUSE. Each rank writes ``<OUT>/<group>_<rank>.pt``: per step its pid, loss and the manager's history,
 and at the end its local weight shards (compared bitwise across groups) and the group's full weights.
 """
@@ -52,6 +53,10 @@ class Record(L.Callback):
                            "lr": optimizer.param_groups[0]["lr"], "adam_steps": adam_steps, "inputs": self.inputs,
                            "loss": float(trainer.callback_metrics["train_loss"]),
                            "restart": int(env("TORCHELASTIC_RESTART_COUNT", "0")), **last})
+        if self.group == "0" and trainer.global_rank == 0:
+            Path(env("OUT"), f"step_{trainer.global_step}").write_text("")  # LATE_AFTER: the late group starts
+        if self.group == "0" and env("LATE_AFTER") and last.get("participants", 2) < 2:
+            time.sleep(float(env("STEP_SLEEP", "1")))  # the late group joins while this one still trains
         killed = Path(env("OUT"), "killed_at").exists()  # not before: a group that starts late joins by itself
         if self.group == "0" and env("KILL_AT") and killed and last.get("participants", 2) < 2:
             # Degraded: give the killed group time to come back before this one ends (its restart takes 15-60 s
@@ -94,6 +99,9 @@ def main() -> None:
     record = Record()
     if env("TORCHELASTIC_RESTART_COUNT", "0") != "0" and env("RANK") == "0":
         Path(out, "restarted").write_text(str(time.time()))
+    elif env("LATE_AFTER"):  # group 1 starts once group 0 finished that many steps alone
+        while env("REPLICA_GROUP_ID") == "1" and not Path(out, f"step_{env('LATE_AFTER')}").exists():
+            time.sleep(0.1)
     elif not reference:  # a first start: every group gets here before any joins a quorum (the machine is slow)
         Path(out, f"ready_{env('REPLICA_GROUP_ID')}_{env('RANK')}").write_text("")
         while len(list(Path(out).glob("ready_*"))) < world * int(env("NUM_REPLICA_GROUPS")):

@@ -123,7 +123,8 @@ def roll_back(trainer: "pl.Trainer", checkpointer: FaultTolerantCheckpoint,
         return None
     folder = checkpointer.dirpath / names[0]
     sampler = strategy.train_sampler
-    now = data_position(trainer, strategy.per_rank_batch_size, strategy.dims.dp, sampler)
+    now = data_position(trainer, strategy.per_rank_batch_size,
+                        strategy.distributed_sampler_kwargs["num_replicas"], sampler)
     state = sharded.load(strategy.checkpoint_context(), folder)
     _restore_counters(trainer, state)
     then = state.get("hybrid", {}).get("data_position") or {}

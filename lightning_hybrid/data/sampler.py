@@ -151,7 +151,10 @@ def data_position(trainer: Any, per_rank_batch_size: Optional[int], dp: int,
                   sampler: Optional[ResumableDistributedSampler]) -> Optional[dict[str, int]]:
     """Where the data stands: ``samples_in_epoch``, the permutation position reached (the batch being finished
     included, left-out ranges passed over); ``counted``, the samples Lightning counted to get there; the seed; and
-    ``skips``, the ranges never to train on (``[epoch, start, end]``, global positions: valid on any mesh)."""
+    ``skips``, the ranges never to train on (``[epoch, start, end]``, global positions: valid on any mesh).
+
+    ``dp``: every rank that reads its own samples -- with torchft replica groups those of all groups (the sampler's
+    ``num_replicas``), since each group reads its own share of every global batch."""
     if trainer is None or per_rank_batch_size is None:
         return None
     progress = trainer.fit_loop.epoch_loop.batch_progress.current
