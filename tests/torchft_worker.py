@@ -5,8 +5,8 @@ REFERENCE (1: train as one launch without torchft), KILL_AT (group KILL_GROUP's 
 its group in the middle of the first step from there on that both groups are in, first attempt only; while
 degraded, group 0 then waits for the killed group's restart and pauses STEP_SLEEP seconds per step, so that it
 rejoins while the other still trains), LATE_AFTER (group 1 starts only once group 0 finished that many steps alone;
-group 0 pauses STEP_SLEEP seconds per step until group 1 is in its quorum), plus torchft's REPLICA_GROUP_ID, NUM_REPLICA_GROUPS and
-TORCHFT_LIGHTHOUSE. Each rank writes ``<OUT>/<group>_<rank>.pt``: per step its pid, loss and the manager's history,
+group 0 pauses STEP_SLEEP seconds per step until group 1 is in its quorum), plus torchft's REPLICA_GROUP_ID,
+NUM_REPLICA_GROUPS and TORCHFT_LIGHTHOUSE. Each rank writes ``<OUT>/<group>_<rank>.pt``: per step its pid, loss and the manager's history,
 and at the end its local weight shards (compared bitwise across groups) and the group's full weights.
 """
 
