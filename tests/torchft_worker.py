@@ -6,8 +6,9 @@ its group in the middle of the first step from there on that both groups are in,
 degraded, group 0 then waits for the killed group's restart and pauses STEP_SLEEP seconds per step, so that it
 rejoins while the other still trains), LATE_AFTER (group 1 starts only once group 0 finished that many steps alone;
 group 0 pauses STEP_SLEEP seconds per step until group 1 is in its quorum), plus torchft's REPLICA_GROUP_ID,
-NUM_REPLICA_GROUPS and TORCHFT_LIGHTHOUSE. Each rank writes ``<OUT>/<group>_<rank>.pt``: per step its pid, loss and the manager's history,
-and at the end its local weight shards (compared bitwise across groups) and the group's full weights.
+NUM_REPLICA_GROUPS and TORCHFT_LIGHTHOUSE. Each rank writes ``<OUT>/<group>_<rank>.pt``: per step its pid, loss
+and the manager's history, and at the end its local weight shards (compared bitwise across groups) and the group's
+full weights.
 """
 
 from __future__ import annotations
