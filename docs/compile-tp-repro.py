@@ -1,19 +1,26 @@
-"""Minimal reproduction: torch.compile + tensor parallelism with sequence parallelism + recompute, wrong gradients.
+"""Reproduction: torch.compile + tensor parallelism with sequence parallelism, wrong gradients from a cache hit.
 
 One Qwen2 block (the tiny preset) on tp=2 (gloo, CPU), sequence parallel (torch's ``SequenceParallel`` norms and
-``PrepareModuleInput`` all-gather in front of attention and MLP), recompute (full or selective op-level) and
-attention + MLP compiled with inductor. Gradients are compared with the same block on one process (no TP, eager).
+``PrepareModuleInput`` all-gather in front of attention and MLP), recompute (none, full or selective op-level) and
+attention + MLP compiled with inductor, once per case in one process (``torch._dynamo.reset()`` between cases, so a
+later case compiles the same graphs again and AOTAutograd's cache answers). Gradients are compared with the same
+block on one process (no TP, eager).
 
-    torchrun --nproc_per_node 2 docs/compile-tp-repro.py --workaround off   # torch 2.13: grad error ~1 with warm
-                                                                            # inductor caches; exact compiled afresh
-    torchrun --nproc_per_node 2 docs/compile-tp-repro.py --workaround on    # lightning-hybrid's order: ~5e-7
+    torchrun --nproc_per_node 2 docs/compile-tp-repro.py --workaround off --cache shared     # torch 2.13: the first
+        # case exact (5e-7), every later one wrong (~1.2, post_attention_layernorm.weight): AOTAutograd cache hits
+    torchrun --nproc_per_node 2 docs/compile-tp-repro.py --workaround off --cache per-rank   # all exact
+    torchrun --nproc_per_node 2 docs/compile-tp-repro.py --workaround on                     # lightning-hybrid: exact
 
-``--workaround off`` compiles each part's call (``nn.Module.compile``), so the ``PrepareModuleInput`` hook's
-Shard(1) -> Replicate redistribution (the SP all-gather) is traced into the inductor graph; with recompute around
-it the gradients are wrong (``post_attention_layernorm.weight`` is off by ~100%). ``--workaround on`` is what
-``compile_blocks`` does: the part's ``forward`` is compiled, the TP hooks stay eager at the graph boundary (and
-inductor's donated buffers are off for these graphs). Prints one line per case; rank 0 exits 1 if any case is
-wrong (relative gradient error > 1e-4).
+Root cause: ``--workaround off`` compiles each part's call (``nn.Module.compile``), so the ``PrepareModuleInput``
+hook's Shard(1) -> Replicate redistribution (the SP all-gather) is traced into the graph, and its backward takes this
+rank's chunk of the gradient: the compiled graph depends on the rank. AOTAutograd's cache key of the graph is the
+same on both ranks, and the ranks share inductor's cache folder (``/tmp/torchinductor_<user>`` by default), so a
+rank's second compile loads whichever rank's entry the cache finds: the other rank's chunk flows into the norm in
+front (the gradients of the weights inside the graph stay right). Recompute plays no part (``--cases none,none``
+fails the same way). ``--cache per-rank`` gives each rank its own folder (what ``compile_blocks`` does in a
+distributed job); ``--workaround on`` (the part's ``forward`` compiled, the TP hooks eager at the graph boundary,
+donated buffers off) keeps the rank out of the graph. Prints one line per case; rank 0 exits 1 if any case is wrong
+(relative gradient error > 1e-4). Use a new ``TORCHINDUCTOR_CACHE_DIR`` to start from an empty cache.
 """
 
 from __future__ import annotations
@@ -24,6 +31,7 @@ import sys
 
 import torch
 import torch.distributed as dist
+from torch._dynamo.utils import counters
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, Shard
 from torch.distributed.tensor.parallel import parallelize_module
@@ -48,11 +56,14 @@ def main() -> int:
     parser = argparse.ArgumentParser()
     parser.add_argument("--workaround", choices=("on", "off"), default="off")
     parser.add_argument("--cases", default="selective,full", help="recompute modes, comma-separated")
+    parser.add_argument("--cache", choices=("shared", "per-rank"), default="shared",
+                        help="inductor's cache folder: torch's default (shared by the ranks) or one per rank")
     args = parser.parse_args()
     dist.init_process_group("gloo")
     tp = dist.get_world_size()
     mesh = init_device_mesh("cpu", (tp,))
     recompute_and_compile.TP_COMPILE_WORKAROUND = args.workaround == "on"
+    recompute_and_compile.PRIVATE_COMPILE_CACHE = args.cache == "per-rank"
     config = Qwen2Config(**{**Qwen2Config.from_preset("tiny").to_dict(), "name": "tiny"})
     spec = parallel_spec(config)
     torch.manual_seed(0)
@@ -67,12 +78,15 @@ def main() -> int:
         blocks = torch.nn.ModuleDict({"0": block})
         recompute_and_compile.apply_activation_checkpointing(blocks, mode, "op", spec.block_attention)
         recompute_and_compile.compile_blocks(blocks, parts=spec.block_norm_consumers)
+        counters.clear()
         got = gradients(block, x, mesh, tp)
+        hits = counters["aot_autograd"]["autograd_cache_hit"]
         errors = {n: float((got[n] - g).abs().max() / g.abs().max()) for n, g in expected.items()}
         name = max(errors, key=errors.get)
         worst = max(worst, errors[name])
         if dist.get_rank() == 0:
-            print(f"tp={tp} sequence_parallel recompute={mode} compile workaround={args.workaround}: "
+            print(f"tp={tp} sequence_parallel recompute={mode} compile workaround={args.workaround} "
+                  f"cache={args.cache} (AOTAutograd cache hits {hits}): "
                   f"max relative gradient error {errors[name]:.1e} ({name})", flush=True)
     dist.destroy_process_group()
     return 1 if worst > 1e-4 else 0

@@ -137,3 +137,15 @@ def test_compile_by_parts_names_the_compiled_modules_and_keeps_the_math(model, b
 def test_attention_recompute_needs_the_attention_submodule(model):
     with pytest.raises(ValueError, match=r"selective_ac='attention' needs the model's ParallelSpec.block_attention"):
         apply_activation_checkpointing(copy.deepcopy(model).layers, "selective", "attention", None)
+
+
+def test_each_rank_gets_its_own_compile_cache_folder(tmp_path, monkeypatch):
+    import os
+
+    from lightning_hybrid.distributed.activation_checkpoint import rank_private_compile_cache
+
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))
+    assert rank_private_compile_cache(3) == str(tmp_path / "rank_3")
+    # A process that inherited a rank's folder (a worker launched from a compiled process) takes its own beside it.
+    assert rank_private_compile_cache(1) == str(tmp_path / "rank_1")
+    assert os.environ["TORCHINDUCTOR_CACHE_DIR"] == str(tmp_path / "rank_1")

@@ -33,6 +33,8 @@ the recompute region is traced into the compiled graph, and before FSDP so FSDP'
 from __future__ import annotations
 
 import functools
+import os
+import re
 import types
 from typing import Any, Callable, Optional, Union
 
@@ -40,7 +42,8 @@ import torch
 from torch import nn
 
 __all__ = ["ACTIVATION_CHECKPOINTING", "SELECTIVE_AC", "apply_activation_checkpointing", "compile_blocks",
-           "compiled", "recomputed", "resolve_selective", "TP_COMPILE_WORKAROUND"]
+           "compiled", "recomputed", "resolve_selective", "rank_private_compile_cache", "TP_COMPILE_WORKAROUND",
+           "PRIVATE_COMPILE_CACHE"]
 
 ACTIVATION_CHECKPOINTING = ("none", "selective", "full")
 SELECTIVE_AC = ("op", "attention")
@@ -154,6 +157,34 @@ def apply_activation_checkpointing(blocks: nn.ModuleDict, mode: str, selective_a
     return done
 
 
+# Test switch: False leaves inductor's cache folder shared by the ranks of a machine (torch's default), which loads
+# another rank's compiled graph for a TP block (docs/compile-tp-repro.py --cache shared shows it).
+PRIVATE_COMPILE_CACHE = True
+_RANK_FOLDER = re.compile(r"rank_\d+")
+
+
+def rank_private_compile_cache(rank: int) -> str:
+    """Give this rank its own folder of inductor's and AOTAutograd's caches (``<cache dir>/rank_<rank>``).
+
+    On torch 2.13 the AOTAutograd cache key of a graph over DTensors is the same on every rank, but the compiled
+    graph can hold the rank's mesh coordinate (the backward of a traced ``Shard -> Replicate`` all-gather takes this
+    rank's chunk of the gradient). The ranks of a machine share one cache folder, so a rank's second compile of such
+    a graph (a restart, a second run, another block's shape) could load another rank's graph: wrong gradients, no
+    error (docs/performance.md). Kept per rank, the cache still saves the recompile of a restarted job.
+
+    Returns:
+        The folder now in ``TORCHINDUCTOR_CACHE_DIR``.
+    """
+    from torch._inductor.runtime.cache_dir_utils import cache_dir
+
+    base = cache_dir()
+    if _RANK_FOLDER.fullmatch(os.path.basename(base)):  # already one rank's folder (this process, or its parent)
+        base = os.path.dirname(base)
+    folder = os.path.join(base, f"rank_{rank}")
+    os.environ["TORCHINDUCTOR_CACHE_DIR"] = folder
+    return folder
+
+
 # Test switch: False compiles the TP parts as before the workaround (their call, donated buffers on), which trains
 # with wrong gradients under sequence parallelism or recompute (tests/test_compile_tp.py shows it).
 TP_COMPILE_WORKAROUND = True
@@ -183,12 +214,19 @@ def compile_blocks(blocks: nn.ModuleDict, parts: Optional[tuple[str, ...]] = Non
       gets a replicated DTensor instead of redistributing its input inside;
     * inductor's donated buffers are off for these graphs (see :func:`_compiled_part_forward`).
 
+    In a distributed job each rank gets its own inductor cache folder (:func:`rank_private_compile_cache`): torch's
+    shared folder lets a rank load another rank's compiled TP graph.
+
     A part that is itself recomputed (``selective_ac="attention"``) runs its compiled forward inside the eager
     checkpoint.
 
     Returns:
         The names (relative to ``blocks``) of the compiled modules.
     """
+    import torch.distributed as dist
+
+    if PRIVATE_COMPILE_CACHE and dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        rank_private_compile_cache(dist.get_rank())  # compiling is lazy: in place before the first forward
     done = []
     compiled_fns: dict[type, Callable[..., Any]] = {}
     for name, block in blocks.items():
