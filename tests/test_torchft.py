@@ -148,7 +148,7 @@ def test_a_killed_pipeline_replica_group_heals_and_rejoins(tmp_path):
 def test_a_replica_group_that_starts_late_heals_and_reads_its_share_from_its_first_step(tmp_path):
     """Group 1 starts once group 0 trained 2 steps alone: it heals at its first quorum (weights, optimizer, loops,
     data position) and from its first step on reads its own share of each global batch."""
-    records = run_groups(tmp_path, 2, {"TP": 2, "STEPS": STEPS, "LATE_AFTER": 2, "STEP_SLEEP": 1}, min_replicas=1,
+    records = run_groups(tmp_path, 2, {"TP": 2, "STEPS": STEPS, "LATE_AFTER": 2, "STEP_SLEEP": 2}, min_replicas=1,
                          timeout=900)
     live, late = records["0_0"], records["1_0"]
     assert [s["step"] for s in live["steps"]] == list(range(1, STEPS + 1))

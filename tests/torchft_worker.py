@@ -3,9 +3,9 @@
 Environment: OUT (results folder), STEPS, TP, PP, DP_SHARD (data_parallel="hsdp" reference: 4 processes, no torchft),
 REFERENCE (1: train as one launch without torchft), KILL_AT (group KILL_GROUP's rank 0 SIGKILLs every process of
 its group in the middle of the first step from there on that both groups are in, first attempt only; while
-degraded, group 0 then waits for the killed group's restart and pauses STEP_SLEEP seconds per step, so that it
-rejoins while the other still trains), LATE_AFTER (group 1 starts only once group 0 finished that many steps alone;
-group 0 pauses STEP_SLEEP seconds per step until group 1 is in its quorum), plus torchft's REPLICA_GROUP_ID,
+degraded, group 0 then waits until the restarted group sets up its Trainer and pauses STEP_SLEEP seconds per step,
+so that it rejoins while the other still trains), LATE_AFTER (group 1 starts only once group 0 finished that many
+steps alone; group 0 waits the same way until group 1 is in its quorum), plus torchft's REPLICA_GROUP_ID,
 NUM_REPLICA_GROUPS and TORCHFT_LIGHTHOUSE. Each rank writes ``<OUT>/<group>_<rank>.pt``: per step its pid, loss
 and the manager's history, and at the end its local weight shards (compared bitwise across groups) and the group's
 full weights.
@@ -56,16 +56,22 @@ class Record(L.Callback):
                            "restart": int(env("TORCHELASTIC_RESTART_COUNT", "0")), **last})
         if self.group == "0" and trainer.global_rank == 0:
             Path(env("OUT"), f"step_{trainer.global_step}").write_text("")  # LATE_AFTER: the late group starts
-        if self.group == "0" and env("LATE_AFTER") and last.get("participants", 2) < 2:
-            time.sleep(float(env("STEP_SLEEP", "1")))  # the late group joins while this one still trains
-        killed = Path(env("OUT"), "killed_at").exists()  # not before: a group that starts late joins by itself
-        if self.group == "0" and env("KILL_AT") and killed and last.get("participants", 2) < 2:
-            # Degraded: give the killed group time to come back before this one ends (its restart takes 15-60 s
-            # here); then a short pause per step until the group is back in the quorum.
+        degraded = self.group == "0" and last.get("participants", 2) < 2
+        late = env("LATE_AFTER") and trainer.global_step >= int(env("LATE_AFTER"))
+        killed = env("KILL_AT") and Path(env("OUT"), "killed_at").exists()  # not before: a late start joins by itself
+        if degraded and (late or killed):
+            # Give group 1 time to come back before this one ends (a restart takes 15-60 s here): wait until its
+            # Trainer is being set up (it joins the quorum at the end of the strategy's setup), then pause per step
+            # until it is back in the quorum.
+            marker = Path(env("OUT"), f"setup_1_{1 if killed else 0}")
             deadline = time.monotonic() + 240
-            while not Path(env("OUT"), "restarted").exists() and time.monotonic() < deadline:
+            while not marker.exists() and time.monotonic() < deadline:
                 time.sleep(0.2)
             time.sleep(float(env("STEP_SLEEP", "1")))
+
+    def setup(self, trainer, pl_module, stage) -> None:
+        if self.group == "1" and trainer.global_rank == 0:  # group 0 waits for this (KILL_AT, LATE_AFTER)
+            Path(env("OUT"), f"setup_1_{env('TORCHELASTIC_RESTART_COUNT', '0')}").write_text("")
 
     def on_before_backward(self, trainer, pl_module, loss) -> None:
         # Killed in the middle of a step, after the quorum with both groups formed and the loss's token count was
