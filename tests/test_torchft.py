@@ -89,6 +89,19 @@ def _expected_inputs(group: int, step: int, groups: int = 2, data_ranks_per_grou
     return inputs[mine[k * per_rank:(k + 1) * per_rank]]
 
 
+def _check_same_weights_and_own_shares(records: dict) -> None:
+    """Both groups hold bitwise-equal weight shards at the end, and each group read its own share of every global
+    batch at each step it took part in. A group that healed continues at the live group's data position (the share of
+    the steps it missed is skipped, not redistributed), its first step included: the peer's data position counts the
+    samples of both groups' data ranks."""
+    for rank in (0, 1):
+        a, b = records[f"0_{rank}"]["local"], records[f"1_{rank}"]["local"]
+        assert set(a) == set(b) and all(torch.equal(a[k], b[k]) for k in a), rank
+    for group in (0, 1):
+        for s in records[f"{group}_0"]["steps"]:
+            assert torch.equal(s["inputs"], _expected_inputs(group, s["step"])), (group, s["step"])
+
+
 def _check_kill_and_rejoin(records: dict) -> None:
     live, back = records["0_0"], records["1_0"]
     killed_at, restarted = records["killed_at"], records["restarted"]
@@ -114,17 +127,9 @@ def _check_kill_and_rejoin(records: dict) -> None:
     assert first_back["healed_at"] is not None and first_back["step"] > during[0]["step"], first_back
     assert first_back["participants"] == 2 and by_step[first_back["step"]]["participants"] == 2
     assert [s["step"] for s in back["steps"]] == list(range(first_back["step"], KILL_STEPS + 1))
-    # Same weights, bitwise, on both groups at the end; every logged loss finite; the steps each group took part in.
-    for rank in (0, 1):
-        a, b = records[f"0_{rank}"]["local"], records[f"1_{rank}"]["local"]
-        assert set(a) == set(b) and all(torch.equal(a[k], b[k]) for k in a), rank
+    # Every logged loss finite; the same weights at the end and each group's own share at every step (below).
     assert all(math.isfinite(s["loss"]) for s in live["steps"] + back["steps"])
-    # Each group reads its own share of every global batch; the healed group continues at the live group's data
-    # position (the share of the steps it missed is skipped, not redistributed: the live group's shares are unchanged).
-    # Its first step included: the peer's data position counts the samples of both groups' data ranks.
-    for group, run in ((0, live), (1, back)):
-        for s in run["steps"]:
-            assert torch.equal(s["inputs"], _expected_inputs(group, s["step"])), (group, s["step"])
+    _check_same_weights_and_own_shares(records)
     assert [h["participants"] for h in live["history"]][-1] == 2
 
 
@@ -157,12 +162,7 @@ def test_a_replica_group_that_starts_late_heals_and_reads_its_share_from_its_fir
     assert first["step"] > 2 and first["healed_at"] == first["step"] - 1 and first["participants"] == 2, first
     assert [s["step"] for s in late["steps"]] == list(range(first["step"], STEPS + 1))
     assert all(s["committed"] for s in live["steps"] + late["steps"])
-    for rank in (0, 1):
-        a, b = records[f"0_{rank}"]["local"], records[f"1_{rank}"]["local"]
-        assert set(a) == set(b) and all(torch.equal(a[k], b[k]) for k in a), rank
-    for group, run in ((0, live), (1, late)):
-        for s in run["steps"]:
-            assert torch.equal(s["inputs"], _expected_inputs(group, s["step"])), (group, s["step"])
+    _check_same_weights_and_own_shares(records)
     # The healed group took the live group's LR schedule and optimizer step count with it.
     by_step = {s["step"]: s for s in live["steps"]}
     assert all(s["lr"] == by_step[s["step"]]["lr"] and s["adam_steps"] == by_step[s["step"]]["adam_steps"]

@@ -54,8 +54,8 @@ class Record(L.Callback):
                            "lr": optimizer.param_groups[0]["lr"], "adam_steps": adam_steps, "inputs": self.inputs,
                            "loss": float(trainer.callback_metrics["train_loss"]),
                            "restart": int(env("TORCHELASTIC_RESTART_COUNT", "0")), **last})
-        if self.group == "0" and trainer.global_rank == 0:
-            Path(env("OUT"), f"step_{trainer.global_step}").write_text("")  # LATE_AFTER: the late group starts
+        if self.group == "0" and trainer.global_rank == 0 and env("LATE_AFTER"):
+            Path(env("OUT"), f"step_{trainer.global_step}").write_text("")  # the late group starts at its step
         degraded = self.group == "0" and last.get("participants", 2) < 2
         late = env("LATE_AFTER") and trainer.global_step >= int(env("LATE_AFTER"))
         killed = env("KILL_AT") and Path(env("OUT"), "killed_at").exists()  # not before: a late start joins by itself

@@ -147,20 +147,20 @@ def batch_size_of(batch: Any, loader: Any) -> Optional[int]:
         return size if isinstance(size, int) and not isinstance(size, bool) else None
 
 
-def data_position(trainer: Any, per_rank_batch_size: Optional[int], dp: int,
+def data_position(trainer: Any, per_rank_batch_size: Optional[int], data_ranks: int,
                   sampler: Optional[ResumableDistributedSampler]) -> Optional[dict[str, int]]:
     """Where the data stands: ``samples_in_epoch``, the permutation position reached (the batch being finished
     included, left-out ranges passed over); ``counted``, the samples Lightning counted to get there; the seed; and
     ``skips``, the ranges never to train on (``[epoch, start, end]``, global positions: valid on any mesh).
 
-    ``dp``: every rank that reads its own samples -- with torchft replica groups those of all groups (the sampler's
-    ``num_replicas``), since each group reads its own share of every global batch."""
+    ``data_ranks``: the ranks that read their own samples, the sampler's ``num_replicas`` (dp; with torchft replica
+    groups those of all groups, since each group reads its own share of every global batch)."""
     if trainer is None or per_rank_batch_size is None:
         return None
     progress = trainer.fit_loop.epoch_loop.batch_progress.current
-    counted = int(progress.processed) * per_rank_batch_size * dp
+    counted = int(progress.processed) * per_rank_batch_size * data_ranks
     position = {"epoch": int(trainer.current_epoch), "samples_in_epoch": counted,
-                "global_batch": per_rank_batch_size * dp}
+                "global_batch": per_rank_batch_size * data_ranks}
     if sampler is not None:
         position.update(seed=int(sampler.seed), samples_in_epoch=sampler.position(counted), counted=counted)
         if sampler.skips:
