@@ -21,8 +21,11 @@ def test_print_lists_the_steps_with_their_settings() -> None:
     result = _run("--print", "--gpu", "h100")
     assert result.returncode == 0, result.stderr
     lines = dict(line.split(": ", 1) for line in result.stdout.splitlines())
-    assert list(lines) == ["mfu", "tiny-nccl", "preflight", "ckpt", "gpu-health", "docmask", "async-tp", "float8"]
+    assert list(lines) == ["mfu", "tiny-nccl", "preflight", "ckpt", "gpu-health", "docmask", "async-tp", "float8",
+                           "mxfp8"]
     assert "float8_smoke.py --preset qwen2.5-1.5b --float8 rowwise --steps 50" in lines["float8"]
+    assert "get_device_capability() >= (10, 0) else 77" in lines["mxfp8"]
+    assert "float8_smoke.py --preset qwen2.5-1.5b --float8 mxfp8 --steps 50" in lines["mxfp8"]
     assert "--preset qwen2.5-1.5b" in lines["mfu"] and "--seq-len 4096" in lines["mfu"] and "--dtype bf16" in lines[
         "mfu"]
     assert "--nproc_per_node 1" in lines["tiny-nccl"] and "process_group_backend nccl" in lines["tiny-nccl"]
