@@ -90,12 +90,14 @@ class PublishedRun:
     virtual_stages: int = 1
     recompute: str = "none"
     sequence_parallel: bool = False
+    cp: int = 1  # context parallel: each sequence over cp ranks (dp counts replicas, not cp)
     precision: str = "bf16-mixed"
     runtime: Runtime = field(default_factory=Runtime)
     published_tflops: Optional[float] = None
     published_tokens_per_gpu: Optional[float] = None
     published_mfu: Optional[float] = None
     pending: str = ""
+    float8_kernels: str = "torchao"  # whose float8 casts and GEMMs: "torchao" (ours) or "transformer-engine"
 
     @property
     def config(self) -> Qwen2Config:
@@ -259,7 +261,69 @@ def _float8(run: PublishedRun, recipe: str, tokens: float, table: str) -> Publis
         published_tokens_per_gpu=tokens, published_tflops=None, published_mfu=None)
 
 
-FLOAT8_RUNS: tuple[PublishedRun, ...] = (
+TORCHTITAN_405B_ASSUMED = (
+    f"{TORCHTITAN_ASSUMED}; micro-batch count not stated: torchtitan's default at 9dec370 is the pipeline degree "
+    "(parallelisms/pipeline_llama.py: pipeline_parallel_microbatches or parallel_dims.pp), so 8 micro-batches of "
+    "local batch / 8 sequences; interleaved 1F1B without split points = 2 stages per rank "
+    "(pipelining_utils.generate_split_points), v=2; FSDP under the pipeline reshards after forward (torchtitan's "
+    "default then)")
+
+
+def _torchtitan_405b(schedule: str, cp: int, seq_len: int, local_batch: int, tokens: float, table: str) -> PublishedRun:
+    """torchtitan's Llama 3.1 405B float8 rows (tables 5 and 6): 512 H100, TP8 PP8, FSDP 8 / cp, async TP, full AC."""
+    dp = 8 // cp
+    v = 2 if schedule == "interleaved_1f1b" else 1
+    return PublishedRun(
+        name=(f"torchtitan Llama 3.1 405B, 512 H100, FSDP{dp} TP8 PP8{f' CP{cp}' if cp > 1 else ''} "
+              f"{'interleaved' if v > 1 else '1F1B'}, seq {seq_len} + float8 tensorwise"),
+        source=f"{TORCHTITAN_2412}, {table}; train_configs/llama3_405b.toml at 9dec370 (float8 with FSDP float8 "
+               "all-gather and precomputed scales)",
+        stated=(f"{TORCHTITAN_HW}; Llama 3.1 405B, 512 GPUs, FSDP {dp}, TP 8, PP 8{f', CP {cp}' if cp > 1 else ''}, "
+                f"torch.compile + Float8 + AsyncTP, {'interleaved 1F1B' if v > 1 else '1F1B'}, local batch "
+                f"{local_batch}, seq {seq_len}, full activation checkpointing; {tokens} TPS/GPU"),
+        assumed=f"{TORCHTITAN_405B_ASSUMED}; {TORCHTITAN_FLOAT8}", model="llama3-405b", gpu=H100_GRAND_TETON_500W,
+        gpus=512, tp=8, pp=8, dp=dp, cp=cp, data_parallel="fsdp", micro_batch_size=local_batch // 8, microbatches=8,
+        seq_len=seq_len, global_batch=local_batch * dp, schedule=schedule, virtual_stages=v, recompute="full",
+        sequence_parallel=True,
+        runtime=Runtime(fused_elementwise=True, low_precision_params=True, tp_overlap=True, loss_parallel=True,
+                        float8="tensorwise"),
+        published_tokens_per_gpu=tokens)
+
+
+MEGATRON_BRIDGE = ("NVIDIA-NeMo/Megatron-Bridge docs/performance-summary.md, '25.11 NeMo Container', Pre-Training "
+                   "Performance, System: {system}")
+MEGATRON_BRIDGE_ASSUMED = (
+    "FP8-CS = Transformer Engine's per-tensor current scaling, the planner's tensorwise (FP8-MX = MXFP8, 32-element "
+    "blocks); Llama 3 shapes as the model names say; recompute not stated: none; FSDP 0 = Megatron's distributed "
+    "optimizer (the planner's replication whose gradient reduce-scatter and parameter all-gather overlap), FSDP 1 = "
+    "Megatron FSDP; micro-batches per step = GA (GBS / (MBS x DP)); TP with sequence parallel and overlapped TP "
+    "communication, fused kernels and bf16 weights as in Megatron-Core's performance recipes; DGX H100 at 700 W, DGX "
+    "B200 at 1,000 W, 400 Gb/s per GPU")
+
+
+def _megatron_bridge(model: str, system: str, gpu: str, gpus: int, recipe: str, gbs: int, mbs: int, fsdp: bool,
+                     tp: int, pp: int, cp: int, vp: int, tokens: float, tflops: float) -> PublishedRun:
+    dp = gpus // (tp * pp * cp)
+    microbatches = gbs // (mbs * dp)
+    label = {"tensorwise": "FP8-CS", "mxfp8": "FP8-MX"}[recipe]
+    return PublishedRun(
+        name=(f"Megatron-Bridge {model}, {gpus} {gpu.upper()}, TP{tp} PP{pp}{f' VP{vp}' if vp > 1 else ''}"
+              f"{f' CP{cp}' if cp > 1 else ''} {'FSDP' if fsdp else 'DP'}{dp}, {label}"),
+        source=MEGATRON_BRIDGE.format(system=system),
+        stated=(f"{model}, {gpus} GPUs, {label}, GBS {gbs}, MBS {mbs}, seq 8192, FSDP {int(fsdp)}, TP {tp}, PP {pp}, "
+                f"CP {cp}, VP {vp if pp > 1 else 'n/a'}, GA {microbatches}; {tokens} tokens/s/GPU, {tflops} model "
+                "TFLOP/s/GPU"),
+        assumed=MEGATRON_BRIDGE_ASSUMED,
+        model=model.lower().replace("llama3.1_", "llama3-").replace("llama3_", "llama3-"),
+        gpu=GPUS[gpu], gpus=gpus, tp=tp, pp=pp, dp=dp, cp=cp, data_parallel="fsdp" if fsdp else "replicate",
+        micro_batch_size=mbs, microbatches=microbatches, seq_len=8192, global_batch=gbs,
+        schedule="none" if pp == 1 else ("interleaved_1f1b" if vp > 1 else "1f1b"), virtual_stages=vp if pp > 1 else 1,
+        sequence_parallel=tp > 1,
+        runtime=dataclasses.replace(MEGATRON_RUNTIME, dp_overlap=not fsdp, float8=recipe),
+        published_tokens_per_gpu=tokens, float8_kernels="transformer-engine")
+
+
+TORCHTITAN_FLOAT8_RUNS: tuple[PublishedRun, ...] = (
     _float8(_torchtitan_fsdp(8, True, 6667, ""), "tensorwise", 8532, "table 1 (FSDP + torch.compile + Float8)"),
     _float8(_torchtitan_fsdp(128, True, 6514, ""), "tensorwise", 8380, "table 3 (FSDP + torch.compile + Float8)"),
     dataclasses.replace(_float8(_torchtitan_tp("70B", 256, 16, "full", False, 597.3), "tensorwise", 829,
@@ -277,11 +341,29 @@ FLOAT8_RUNS: tuple[PublishedRun, ...] = (
     _float8(_torchtitan_tp("70B", 256, 16, "full", True, 652.4), "rowwise", 624.8, "float8 rowwise, async TP"),
     _float8(_torchtitan_tp("8B", 64, 12, "selective", False, 4378), "rowwise", 3708.5, "float8 rowwise, vanilla TP"),
     _float8(_torchtitan_tp("8B", 64, 12, "selective", True, 4809.4), "rowwise", 3914.9, "float8 rowwise, async TP"),
+    _torchtitan_405b("1f1b", 1, 8192, 32, 100, "table 5 (3D + torch.compile + Float8 + AsyncTP), 1F1B"),
+    _torchtitan_405b("interleaved_1f1b", 1, 8192, 32, 128, "table 5, Interleaved 1F1B"),
+    _torchtitan_405b("1f1b", 1, 32768, 8, 76, "table 6 (4D + torch.compile + Float8 + AsyncTP + 1F1B), CP 1"),
+    _torchtitan_405b("1f1b", 2, 65536, 8, 47, "table 6, CP 2"),
+    _torchtitan_405b("1f1b", 4, 131072, 8, 31, "table 6, CP 4"),
+    _torchtitan_405b("1f1b", 8, 262144, 8, 16, "table 6, CP 8"),
 )
-"""torchtitan's published float8 rows (H100), each the layout of a bf16 row above with float8 block linears; they fit
-``FLOAT8_GEMM_EFFICIENCY`` per recipe. torchtitan notes its vanilla-TP rowwise rows as slow (pytorch/torchtitan#1207).
-Not used: Llama 3.1 405B float8 (table 5: PP8 with local batch 32, the micro-batch count is not stated) and the CP rows
-(table 2/6); Megatron-Bridge's FP8 rows (not looked up here: their layouts and versions were not read)."""
+MEGATRON_BRIDGE_FLOAT8_RUNS: tuple[PublishedRun, ...] = (
+    _megatron_bridge("LLAMA3_8B", "DGX-H100", "h100", 8, "tensorwise", 128, 1, True, 1, 1, 1, 1, 14451, 744),
+    _megatron_bridge("LLAMA3_70B", "DGX-H100", "h100", 64, "tensorwise", 128, 1, False, 4, 8, 1, 5, 1602, 719),
+    _megatron_bridge("LLAMA3.1_405B", "DGX-H100", "h100", 1024, "tensorwise", 512, 1, False, 8, 8, 2, 8, 292, 737),
+    _megatron_bridge("LLAMA3_8B", "DGX-B200", "b200", 8, "tensorwise", 128, 2, False, 1, 1, 1, 1, 30624, 1576),
+    _megatron_bridge("LLAMA3_8B", "DGX-B200", "b200", 8, "mxfp8", 128, 2, False, 1, 1, 1, 1, 29521, 1519),
+    _megatron_bridge("LLAMA3.1_405B", "DGX-B200", "b200", 128, "tensorwise", 64, 1, False, 4, 8, 2, 8, 661, 1667),
+    _megatron_bridge("LLAMA3.1_405B", "DGX-B200", "b200", 128, "mxfp8", 64, 1, False, 4, 8, 2, 8, 624, 1576),
+)
+FLOAT8_RUNS: tuple[PublishedRun, ...] = TORCHTITAN_FLOAT8_RUNS + MEGATRON_BRIDGE_FLOAT8_RUNS
+"""Every published float8 row, 25: torchtitan's (H100, torchao; Llama 3 8B/70B float8 beside bf16 rows above, and
+Llama 3.1 405B's tables 5 and 6) fit ``FLOAT8_GEMM_EFFICIENCY`` per recipe; Megatron-Bridge's 25.11 FP8-CS and FP8-MX
+rows on DGX H100 and DGX B200 fit :data:`TRANSFORMER_ENGINE_FLOAT8_EFFICIENCY`. Rows with cp > 1 are predicted, not
+fitted on (:func:`fit_float8`). torchtitan notes its vanilla-TP rowwise rows as slow (pytorch/torchtitan#1207).
+Not used: Megatron-Bridge's DGX-GB200 and DGX-GB300 rows (``hardware.py`` lists the NVL72 GPUs' peaks but not their
+memory and links, which the planner's time model needs); its H100 Qwen3/GPT-OSS rows (mixture of experts)."""
 
 MXFP8_B200 = ("pytorch/torchtitan torchtitan/components/quantization/mxfp8.md 'Dense Models' (torchao "
               "0.13.0+gite4e681be, torch 2.9.0.dev20250815): 8 power-limited B200, batch 1, seq 8192, torch.compile, "
@@ -298,11 +380,28 @@ def mxfp8_row() -> PublishedRun:
                                micro_batch_size=1, global_batch=8, source=MXFP8_B200, published_tokens_per_gpu=8307.5)
 
 
+TRANSFORMER_ENGINE_FLOAT8_EFFICIENCY = {"tensorwise": 0.651, "mxfp8": 0.612}
+"""Transformer Engine's float8 GEMM efficiency per recipe (fraction of the fp8 peak, casts included), fitted on
+Megatron-Bridge's rows (``fit_float8(recipe, kernels="transformer-engine")``). Used only to predict those rows: TE
+fuses the amax and the cast into the neighbouring kernels, torchao's dynamic casts are separate (compiled) kernels, so
+one constant for both leaves Megatron-Bridge's rows 15-23% slow and torchtitan's fast. The planner predicts our
+runtime, torchao, with ``FLOAT8_GEMM_EFFICIENCY``."""
+
+
+def float8_efficiency(run: PublishedRun, efficiency: Optional[dict] = None) -> Optional[float]:
+    """The float8 GEMM efficiency ``run`` is predicted with: ``efficiency`` (by recipe) for torchao rows if given, else
+    the planner's; Transformer Engine's for Megatron-Bridge's rows."""
+    if run.float8_kernels == "transformer-engine":
+        return TRANSFORMER_ENGINE_FLOAT8_EFFICIENCY[run.runtime.float8]
+    return (efficiency or {}).get(run.runtime.float8)
+
+
 def float8_table(runs: tuple[PublishedRun, ...] = FLOAT8_RUNS, efficiency: Optional[dict] = None) -> list[dict]:
-    """:func:`table` of the float8 rows, each recipe at ``efficiency[recipe]`` (default: the planner's constants)."""
+    """:func:`table` of the float8 rows, each recipe at ``efficiency[recipe]`` (default: the planner's constants;
+    Megatron-Bridge's rows at Transformer Engine's)."""
     rows = []
     for run in runs:
-        model = TimeModel(float8_efficiency=(efficiency or {}).get(run.runtime.float8))
+        model = TimeModel(float8_efficiency=float8_efficiency(run, efficiency))
         e = predict(run, time_model=model)
         tokens = e.tokens_per_second / run.gpus
         rows.append({"name": run.name, "pending": "",
@@ -313,10 +412,15 @@ def float8_table(runs: tuple[PublishedRun, ...] = FLOAT8_RUNS, efficiency: Optio
     return rows
 
 
-def fit_float8(recipe: str, runs: tuple[PublishedRun, ...] = FLOAT8_RUNS) -> float:
-    """The float8 GEMM efficiency of ``recipe`` that minimizes the squared log errors of its rows (golden section);
-    ``mxfp8``: the one whose predicted speedup over bf16 on B200 is the published one."""
-    if recipe == "mxfp8":
+def fit_float8(recipe: str, runs: tuple[PublishedRun, ...] = FLOAT8_RUNS, kernels: str = "torchao") -> float:
+    """The float8 GEMM efficiency of ``recipe`` with ``kernels`` that minimizes the squared log errors of its rows
+    without context parallelism (golden section); torchao's ``mxfp8``: the one whose predicted speedup over bf16 on
+    B200 is the published one.
+
+    Rows with cp > 1 are predicted, not fitted on: at 64k-256k tokens attention is 40-73% of their FLOPs and their
+    error is the planner's ring-attention model's (torchtitan's CP rows come out 25-56% fast, growing with cp), which
+    a float8 constant would only smear over the other rows."""
+    if recipe == "mxfp8" and kernels == "torchao":
         base = mxfp8_row()
         bf16 = predict(base).time["step"]
         mx = dataclasses.replace(base, runtime=dataclasses.replace(base.runtime, float8="mxfp8"))
@@ -325,7 +429,7 @@ def fit_float8(recipe: str, runs: tuple[PublishedRun, ...] = FLOAT8_RUNS) -> flo
             return math.log(bf16 / predict(mx, time_model=TimeModel(float8_efficiency=eff)).time["step"]
                             / MXFP8_SPEEDUP) ** 2
     else:
-        chosen = tuple(r for r in runs if r.runtime.float8 == recipe)
+        chosen = tuple(r for r in runs if r.runtime.float8 == recipe and r.float8_kernels == kernels and r.cp == 1)
 
         def loss(eff: float) -> float:
             return sum(math.log1p(error(r, predict(r, time_model=TimeModel(float8_efficiency=eff)))) ** 2
@@ -347,7 +451,7 @@ def predict(run: PublishedRun, hw_efficiency: Optional[float] = None,
     problem = Problem(run.config, hw, run.seq_len, run.global_batch, run.precision, runtime=run.runtime,
                       time_model=time_model or TimeModel())
     layout = Layout(run.tp, run.pp, run.dp, run.data_parallel, run.micro_batch_size, run.microbatches, run.schedule,
-                    run.virtual_stages, run.recompute, run.sequence_parallel)
+                    run.virtual_stages, run.recompute, run.sequence_parallel, cp=run.cp)
     return estimate(problem, layout)
 
 
@@ -473,8 +577,10 @@ def main(argv: Optional[list[str]] = None) -> int:
     s8 = summary(f8)
     print(f"{s8['rows']} float8 rows: median |error| {s8['median_abs_error']:.1%}, largest {s8['max_abs_error']:.1%}")
     if args.fit:
-        print("float8 efficiency fitted per recipe: " + ", ".join(
-            f"{r}={fit_float8(r):.3f}" for r in ("tensorwise", "rowwise", "mxfp8")))
+        torchao = ", ".join(f"{r}={fit_float8(r):.3f}" for r in ("tensorwise", "rowwise", "mxfp8"))
+        te = ", ".join(f"{r}={fit_float8(r, kernels='transformer-engine'):.3f}"
+                       for r in TRANSFORMER_ENGINE_FLOAT8_EFFICIENCY)
+        print(f"float8 efficiency fitted per recipe: {torchao}; Transformer Engine: {te}")
     if args.sources:
         for run in RUNS + FLOAT8_RUNS:
             print(f"\n{run.name}\n  source: {run.source}\n  stated: {run.stated}\n  assumed: {run.assumed}")

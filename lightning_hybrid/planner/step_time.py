@@ -74,11 +74,13 @@ HBM_EFFICIENCY = 0.8
 ELEMENTWISE_BACKWARD = 2.0
 """Backward of an elementwise op moves about twice its forward's bytes: it reads the output gradient and the saved
 inputs and writes the input gradients (unary: 3 tensors vs 2; binary: 5 vs 3), plus the residual gradient adds."""
-FLOAT8_GEMM_EFFICIENCY = {"tensorwise": 0.422, "rowwise": 0.254, "mxfp8": 0.430}
-"""Fraction of the dense fp8 peak a large float8 block GEMM sustains in training, dynamic casts and scales included
-(fitted per recipe on torchtitan's H100 float8 rows in ``benchmarks/planner_published.py``; mxfp8 on its published
-B200 speedup over bf16, 1.20x, in torchtitan's mxfp8.md). The head and attention stay at the bf16 peak. Rowwise is
-low: torchtitan's rowwise rows ran no faster than bf16 (pytorch/torchtitan#1207)."""
+FLOAT8_GEMM_EFFICIENCY = {"tensorwise": 0.426, "rowwise": 0.254, "mxfp8": 0.430}
+"""Fraction of the dense fp8 peak a large float8 block GEMM sustains in training with torchao, dynamic casts and
+scales included (fitted per recipe on torchtitan's H100 float8 rows without context parallelism in
+``benchmarks/planner_published.py``: Llama 3 8B, 70B and 405B; mxfp8 on its published B200 speedup over bf16, 1.20x,
+in torchtitan's mxfp8.md). The head and attention stay at the bf16 peak. Rowwise is low: torchtitan's rowwise rows ran
+no faster than bf16 (pytorch/torchtitan#1207). Transformer Engine's fused casts reach more (0.65 tensorwise, fitted on
+Megatron-Bridge's rows there); the planner predicts torchao, our runtime."""
 AUTOCAST_WEIGHT_CAST_BYTES = 6
 """Autocast casts each fp32 matmul weight to bf16 once per forward (reads 4 bytes, writes 2)."""
 
