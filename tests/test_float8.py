@@ -89,8 +89,9 @@ def test_float8_trains_like_bf16(numerics, recipe):
     bf16, float8 = numerics["bf16-true" if recipe == "mxfp8" else "bf16"], numerics[recipe]
     assert len(float8) == len(bf16) == 30
     assert bf16[-1] < bf16[0] - 0.3  # the reference really trained
-    # the final loss as the mean of the last 5 steps: single steps jump by 0.05-0.1 from batch to batch at lr 1e-2
-    final, reference = sum(float8[-5:]) / 5, sum(bf16[-5:]) / 5
+    # the final step's loss (same batch for both; lr 1e-3, helpers.equivalence): measured 0.01-0.04% apart; with
+    # torchao's scale inverted (amax / 448 instead of 448 / amax) tensorwise ends 5.2% off and this fails
+    final, reference = float8[-1], bf16[-1]
     assert abs(final - reference) / reference <= 0.03, (recipe, final, reference)
     assert float8 != bf16  # float8 really changed the matmuls
 
