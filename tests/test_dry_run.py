@@ -253,3 +253,27 @@ def test_planner_counts_exactly_what_selective_recompute_keeps_per_block_and_tok
         traced = (peaks[(sp, 6)] - peaks[(sp, 2)]) / (4 * 128)
         planned = activation_model(Qwen2Config.resolve("tiny"), 2, sp, "selective", "32-true", 128).layer
         assert traced == planned, (sp, traced, planned)
+
+
+def test_an_hsdp_recipe_dry_runs_with_the_state_of_its_shard_group(tmp_path, capsys) -> None:
+    """HSDP (tp=1, dp=4 in shard groups of 2): each rank holds FSDP's shard over its group of 2, not over all 4 dp
+    ranks; the traced state equals the planner's at every role (the 72B fp8 recipe is HSDP)."""
+    from lightning_hybrid.cli import main
+
+    recipe = yaml.safe_load(TINY.read_text())
+    recipe["trainer"]["strategy"]["init_args"].update(tp=1, dp=4, data_parallel="hsdp", dp_shard=2)
+    path = tmp_path / "tiny-hsdp.yaml"
+    path.write_text(yaml.safe_dump(recipe))
+    assert main(["dry-run", "--config", str(path), "--ranks", "all", "--json"]) == 0
+    roles = json.loads(capsys.readouterr().out)["roles"]
+    assert sorted(r for role in roles for r in role["ranks"]) == [0, 1, 2, 3]
+    replicated = yaml.safe_load(TINY.read_text())
+    replicated["trainer"]["strategy"]["init_args"].update(tp=1, dp=4, data_parallel="replicate")
+    (tmp_path / "tiny-ddp.yaml").write_text(yaml.safe_dump(replicated))
+    assert main(["dry-run", "--config", str(tmp_path / "tiny-ddp.yaml"), "--ranks", "0", "--json"]) == 0
+    full = json.loads(capsys.readouterr().out)["roles"][0]["traced"]["parameters"]
+    for role in roles:
+        for figure in ("parameters", "gradients", "optimizer"):
+            assert role["traced"][figure] == role["planner"][figure], (role["ranks"], figure)
+        # half the parameters of a replica (the tiny model's rows split evenly over a shard group of 2)
+        assert abs(role["traced"]["parameters"] / full - 0.5) < 0.01, (role["traced"]["parameters"], full)

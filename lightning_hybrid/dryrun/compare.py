@@ -53,7 +53,8 @@ def _layout(job: DryRunJob, dims: Any, options: Any) -> Any:
     return Layout(tp=dims.tp, pp=dims.pp, dp=dims.dp, data_parallel=options.data_parallel,
                   micro_batch_size=job.batch_size // m, microbatches=m,
                   schedule=options.pp_schedule if dims.pp > 1 else "none", virtual_stages=options.virtual_stages,
-                  recompute=options.activation_checkpointing, sequence_parallel=options.sequence_parallel)
+                  recompute=options.activation_checkpointing, sequence_parallel=options.sequence_parallel,
+                  dp_shard=dims.dp_shard if options.data_parallel == "hsdp" else 0)
 
 
 def predict(job: DryRunJob, config: Any, dims: Any, options: Any, result: RankResult, gpu: str,
@@ -72,7 +73,10 @@ def predict(job: DryRunJob, config: Any, dims: Any, options: Any, result: RankRe
 
     c = result.coordinates
     stage_style = "v" if options.pp_schedule in V_SHAPED else "loop"
-    state = rank_memory(config, dims.tp, dims.pp, dims.dp, options.data_parallel, c["pp"], c["tp"], c["dp"],
+    # HSDP shards inside groups of dp_shard consecutive dp ranks: the rank's state is FSDP's over its shard group
+    hsdp = options.data_parallel == "hsdp"
+    shards, mode = (dims.dp_shard, "fsdp") if hsdp else (dims.dp, options.data_parallel)
+    state = rank_memory(config, dims.tp, dims.pp, shards, mode, c["pp"], c["tp"], c["dp"] % shards,
                         job.precision, "adamw", options.virtual_stages, stage_style)
     hw = Hardware(SYSTEM_GPUS[gpu], job.world_size, job.devices_per_node)
     problem = Problem(config, hw, job.seq_len, job.batch_size * dims.dp, job.precision,

@@ -42,16 +42,17 @@ def _shard_shapes(config: Any, dims: ParallelDims, fsdp: bool, stage_plans: list
     shapes = rank_parameter_shapes(config, dims.tp, tp_rank, blocks, embedding=any(p.has_embedding for p in
                                    stage_plans), head=any(p.has_head for p in stage_plans),
                                    num_stages=num_stages)
-    if not (fsdp and dims.dp > 1):
+    shards = dims.dp_shard  # FSDP shards over dp, HSDP inside groups of dp_shard consecutive dp ranks
+    if not (fsdp and shards > 1):
         return tuple(shapes.values())
-    return tuple((chunk_rows(s[0], dims.dp, dp_rank), *s[1:]) for s in shapes.values())
+    return tuple((chunk_rows(s[0], shards, dp_rank % shards), *s[1:]) for s in shapes.values())
 
 
 def rank_roles(config: Any, spec: Any, dims: ParallelDims, options: Any) -> list[Role]:
     """Every rank of the world grouped into roles (see the module docstring), ordered by pipeline coordinate."""
     num_stages = dims.pp * options.virtual_stages
     plans = plan_stages(spec, config.num_hidden_layers, num_stages, options.pp_split_points)
-    fsdp = options.data_parallel == "fsdp"
+    fsdp = options.data_parallel in ("fsdp", "hsdp")
     groups: dict[tuple, list[int]] = defaultdict(list)
     for rank in range(dims.world_size):
         c = dims.coordinates(rank)
