@@ -66,7 +66,7 @@ def test_trainer_with_too_few_devices_fails_before_initializing_processes():
 
 
 @pytest.mark.distributed
-@pytest.mark.timeout(120)
+@pytest.mark.timeout(200)
 def test_indivisible_kv_heads_fail_on_every_rank_without_hanging(tmp_path):
     script = tmp_path / "bad.py"
     script.write_text(
@@ -81,9 +81,18 @@ def test_indivisible_kv_heads_fail_on_every_rank_without_hanging(tmp_path):
         "try:\n"
         "    trainer.fit(CausalLM(config), train_dataloaders=make_dataset(8)[0])\n"
         "except ValueError as err:\n"
-        "    import os; print(f'rank {os.environ[\"RANK\"]}: {err}', flush=True); raise SystemExit(3)\n"
+        "    import os, pathlib, time\n"
+        "    print(f'rank {os.environ[\"RANK\"]}: {err}', flush=True)\n"
+        "    # torchrun stops every other worker the moment one exits: wait (bounded) until each rank reached the\n"
+        "    # error on its own, so that a rank still starting up is not killed before it gets there\n"
+        f"    marks = pathlib.Path({str(tmp_path / 'marks')!r}); marks.mkdir(exist_ok=True)\n"
+        "    (marks / os.environ['RANK']).touch()\n"
+        "    deadline = time.monotonic() + 60\n"
+        "    while len(list(marks.iterdir())) < 2 and time.monotonic() < deadline:\n"
+        "        time.sleep(0.05)\n"
+        "    raise SystemExit(3)\n"
     )
-    result = torchrun(2, [str(script)], timeout=90, check=False)
+    result = torchrun(2, [str(script)], timeout=150, check=False)
     assert result.returncode != 0
     for rank in (0, 1):
         message = f"rank {rank}: tp=2 does not divide num_key_value_heads=1; use tp in 1"
