@@ -255,6 +255,7 @@ def test_planner_counts_exactly_what_selective_recompute_keeps_per_block_and_tok
         assert traced == planned, (sp, traced, planned)
 
 
+@pytest.mark.slow  # two dry runs of the tiny recipe (about 20 s)
 def test_an_hsdp_recipe_dry_runs_with_the_state_of_its_shard_group(tmp_path, capsys) -> None:
     """HSDP (tp=1, dp=4 in shard groups of 2): each rank holds FSDP's shard over its group of 2, not over all 4 dp
     ranks; the traced state equals the planner's at every role (the 72B fp8 recipe is HSDP)."""
