@@ -73,10 +73,10 @@ def predict(job: DryRunJob, config: Any, dims: Any, options: Any, result: RankRe
 
     c = result.coordinates
     stage_style = "v" if options.pp_schedule in V_SHAPED else "loop"
-    # HSDP shards inside groups of dp_shard consecutive dp ranks: the rank's state is FSDP's over its shard group
-    hsdp = options.data_parallel == "hsdp"
-    shards, mode = (dims.dp_shard, "fsdp") if hsdp else (dims.dp, options.data_parallel)
-    state = rank_memory(config, dims.tp, dims.pp, shards, mode, c["pp"], c["tp"], c["dp"] % shards,
+    # FSDP shards over dp, HSDP inside groups of dp_shard consecutive dp ranks (dp_shard == dp without HSDP): the
+    # rank's state is FSDP's over its shard group
+    mode = "fsdp" if options.data_parallel == "hsdp" else options.data_parallel
+    state = rank_memory(config, dims.tp, dims.pp, dims.dp_shard, mode, c["pp"], c["tp"], c["dp"] % dims.dp_shard,
                         job.precision, "adamw", options.virtual_stages, stage_style)
     hw = Hardware(SYSTEM_GPUS[gpu], job.world_size, job.devices_per_node)
     problem = Problem(config, hw, job.seq_len, job.batch_size * dims.dp, job.precision,

@@ -18,8 +18,10 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 from typing import Optional
 
@@ -30,6 +32,7 @@ class CliForkServer:
     """A process with :mod:`lightning_hybrid.cli` imported that forks one child per command line."""
 
     def __init__(self, env: Optional[dict] = None) -> None:
+        self.outputs = Path(tempfile.mkdtemp(prefix="cli_fork_"))  # the children's stdout/stderr files
         self.proc = subprocess.Popen([sys.executable, __file__], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                                      text=True, env={**os.environ, "OMP_NUM_THREADS": "1", **(env or {})})
         ready = self.proc.stdout.readline()
@@ -39,7 +42,7 @@ class CliForkServer:
 
     def run(self, args: list[str], cwd: Path, env: dict[str, str], timeout: float = 300) -> subprocess.CompletedProcess:
         """``python -m lightning_hybrid.cli *args`` in ``cwd`` with exactly ``env``, as a forked child."""
-        out, err = Path(cwd) / ".cli_stdout", Path(cwd) / ".cli_stderr"
+        out, err = self.outputs / "stdout", self.outputs / "stderr"
         request = {"args": args, "cwd": str(cwd), "env": env, "stdout": str(out), "stderr": str(err),
                    "timeout": timeout}
         self.proc.stdin.write(json.dumps(request) + "\n")
@@ -56,6 +59,7 @@ class CliForkServer:
         if self.proc.poll() is None:
             self.proc.stdin.close()
             self.proc.wait(timeout=60)
+        shutil.rmtree(self.outputs, ignore_errors=True)
 
     def __enter__(self) -> CliForkServer:
         return self
