@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from helpers.compare import same_tensors
-from helpers.launch import TESTS, free_port, torchrun
+from helpers.launch import TESTS, free_port, launch
 
 pytestmark = [pytest.mark.distributed, pytest.mark.timeout(900)]
 
@@ -70,7 +70,7 @@ def _fs():
 def _run(out: Path, url: str, check: bool = True, **env) -> subprocess.CompletedProcess:
     out.mkdir(parents=True, exist_ok=True)
     variables = {"OUT": str(out), "CKPT": url, **{k: str(v) for k, v in env.items()}}
-    return torchrun(4, [str(TESTS / "ft_worker.py")], timeout=400, env=variables, check=check)
+    return launch(4, [str(TESTS / "ft_worker.py")], timeout=400, env=variables, check=check)
 
 
 def _final(out: Path) -> dict:

@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 
 from helpers.compare import max_relative_error
-from helpers.launch import run_workers, torchrun
+from helpers.launch import launch, run_workers
 
 REPRO = Path(__file__).resolve().parents[1] / "docs" / "compile-tp-repro.py"
 
@@ -56,7 +56,7 @@ def test_a_warm_compile_cache_is_exact_with_a_folder_per_rank(tmp_path):
     with its own cache folder. With torch's shared folder (``--cache shared``) the later cases load the other rank's
     graph and their gradients are off by ~1.2 (docs/performance.md)."""
     env = {"TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "inductor")}  # empty at the start, caches on
-    result = torchrun(2, [str(REPRO), "--workaround", "off", "--cache", "per-rank", "--cases", "none,full"],
+    result = launch(2, [str(REPRO), "--workaround", "off", "--cache", "per-rank", "--cases", "none,full"],
                       timeout=1200, check=False, env=env)
     lines = re.findall(r"cache hits (\d+)\): max relative gradient error (\S+)", result.stdout)
     assert len(lines) == 2, result.stdout[-2000:] + result.stderr[-4000:]

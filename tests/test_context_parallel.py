@@ -8,7 +8,7 @@ import json
 import pytest
 import torch
 
-from helpers.launch import TESTS, torchrun
+from helpers.launch import TESTS, launch
 from lightning_hybrid.distributed.context_parallel import (
     check_sequence_length,
     sequence_positions,
@@ -23,7 +23,7 @@ from lightning_hybrid.models.qwen2.config import parallel_spec
 @pytest.fixture(scope="module")
 def ring_results(tmp_path_factory):
     out = tmp_path_factory.mktemp("cp") / "results.json"
-    torchrun(4, [str(TESTS / "cp_attention_worker.py"), str(out)], timeout=240)
+    launch(4, [str(TESTS / "cp_attention_worker.py"), str(out)], timeout=240)
     return json.loads(out.read_text())
 
 

@@ -10,7 +10,7 @@ import sys
 import pytest
 import yaml
 
-from helpers.launch import TESTS, torchrun
+from helpers.launch import TESTS, launch
 
 ROOT = TESTS.parent
 TINY = ROOT / "recipes" / "tiny-cpu.yaml"
@@ -23,7 +23,7 @@ def real_and_dry(tmp_path_factory) -> dict:
     configs = [{"name": name, "recipe": str(TINY), "strategy": strategy} for name, strategy in LAYOUTS.items()]
     spec = out / "configs.json"
     spec.write_text(json.dumps(configs))
-    torchrun(4, [str(TESTS / "dryrun_worker.py"), str(spec), str(out)], timeout=280)
+    launch(4, [str(TESTS / "dryrun_worker.py"), str(spec), str(out)], timeout=280)
     return {(name, r): json.loads((out / f"{name}-{r}.json").read_text()) for name in LAYOUTS for r in range(4)}
 
 

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from helpers.compare import same_tensors
-from helpers.launch import TESTS, torchrun
+from helpers.launch import TESTS, launch, torchrun
 from lightning_hybrid.callbacks.fault_tolerant import EXIT_CODE_PREEMPTED, FaultTolerantCheckpoint
 from lightning_hybrid.checkpoint.manifest import CheckpointError, committed_checkpoints, set_aside_newer
 from lightning_hybrid.checkpoint.sharded import check_model_config
@@ -19,10 +19,13 @@ from lightning_hybrid.checkpoint.verify import find_resumable, verify_checkpoint
 pytestmark = [pytest.mark.distributed, pytest.mark.timeout(900)]
 
 
-def _run(out: Path, ckpt: Path, check: bool = True, extra_args: tuple = (), timeout: float = 300, **env):
+def _run(out: Path, ckpt: Path, check: bool = True, timeout: float = 300, agent: bool = False, **env):
+    """ft_worker.py on tp=2 x pp=2; ``agent``: under torchrun's agent (its SIGTERM to the others, its exit report),
+    else forked ranks (:func:`helpers.launch.launch`): the faults (SIGKILL, SIGTERM, a full disk) are the same."""
     out.mkdir(parents=True, exist_ok=True)
     variables = {"OUT": str(out), "CKPT": str(ckpt), **{k: str(v) for k, v in env.items()}}
-    return torchrun(4, [*extra_args, str(TESTS / "ft_worker.py")], timeout=timeout, env=variables, check=check)
+    return (torchrun if agent else launch)(4, [str(TESTS / "ft_worker.py")], timeout=timeout, env=variables,
+                                           check=check)
 
 
 def _losses(out: Path) -> list[dict]:
@@ -101,7 +104,7 @@ def test_a_slow_background_write_on_one_rank_does_not_deadlock_training(baseline
 
 def test_sigterm_saves_at_the_step_boundary_exits_with_code_75_and_rerun_resumes_there(baseline, tmp_path):
     # The signal arrives after step 3's checkpoint hook ran; the next boundary (step 4) saves and exits.
-    result = _run(tmp_path, tmp_path / "ckpt", check=False, SIGTERM_AT=3)
+    result = _run(tmp_path, tmp_path / "ckpt", check=False, agent=True, SIGTERM_AT=3)
     assert f"exitcode  : {EXIT_CODE_PREEMPTED}" in result.stderr, result.stderr[-3000:]
     assert (tmp_path / "ckpt" / "latest").read_text().strip() == "step-000004"
     # step 4 trained and was saved; the exit came before the loss-logging callback of step 4 ran
@@ -126,7 +129,8 @@ def test_a_hung_peer_ends_the_surviving_ranks_with_a_timeout_message(tmp_path):
     import time
 
     start = time.monotonic()
-    result = _run(tmp_path, tmp_path / "ckpt", check=False, STALL_AT=3, STALL_RANK=1, COLLECTIVE_TIMEOUT=15)
+    result = _run(tmp_path, tmp_path / "ckpt", check=False, agent=True, STALL_AT=3, STALL_RANK=1,
+                  COLLECTIVE_TIMEOUT=15)
     elapsed = time.monotonic() - start
     assert result.returncode != 0
     assert elapsed < 110, elapsed  # well before the stalled rank wakes up (120 s)

@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from helpers.equivalence import GLOBAL_BATCH, SEED, LossRecorder, make_dataset, make_trainer_kwargs, tiny_config
-from helpers.launch import TESTS, torchrun
+from helpers.launch import TESTS, launch
 from lightning_hybrid import HybridParallelStrategy
 from lightning_hybrid.distributed.float8 import FLOAT8_EMULATE_ENV
 from lightning_hybrid.models import CausalLM
@@ -173,7 +173,7 @@ def four_process_float8(tmp_path_factory):
     configs = CASES + resume + layer
     spec = out / "configs.json"
     spec.write_text(json.dumps(configs))
-    torchrun(4, [str(TESTS / "float8_worker.py"), str(spec), str(out)], timeout=1500, env={FLOAT8_EMULATE_ENV: "1"})
+    launch(4, [str(TESTS / "float8_worker.py"), str(spec), str(out)], timeout=1500, env={FLOAT8_EMULATE_ENV: "1"})
     records = {c["name"]: torch.load(out / f"{c['name']}.pt", weights_only=False) for c in configs}
     records["_out"] = out
     return records

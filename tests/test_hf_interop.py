@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from helpers.launch import TESTS, torchrun
+from helpers.launch import TESTS, launch
 from lightning_hybrid.checkpoint.export import export_hf, export_main, parse_size
 from lightning_hybrid.hub import resolve_hf_path
 from lightning_hybrid.models import Qwen2, Qwen2Config
@@ -331,7 +331,7 @@ def parallel_run(folders, inputs, tmp_path_factory):
     train the first 2 steps, predict, save."""
     out = tmp_path_factory.mktemp("parallel")
     torch.save(inputs, out / "inputs.pt")
-    result = torchrun(4, [str(TESTS / "hf_worker.py"), str(folders["sharded"]), str(out / "inputs.pt"), str(out)],
+    result = launch(4, [str(TESTS / "hf_worker.py"), str(folders["sharded"]), str(out / "inputs.pt"), str(out)],
                       timeout=280, check=False)
     record_path = out / "record.pt"
     if not record_path.is_file():

@@ -94,11 +94,11 @@ def _worker(out: Path, tp: int, pp: int, dp: int) -> None:
 
 @pytest.fixture(scope="module", params=sorted(MESHES))
 def rank_counts(request, tmp_path_factory) -> tuple[tuple[int, int, int], list[dict]]:
-    from helpers.launch import torchrun
+    from helpers.launch import launch
 
     mesh = MESHES[request.param]
     out = tmp_path_factory.mktemp("memory")
-    torchrun(mesh[0] * mesh[1] * mesh[2], [__file__, str(out), *map(str, mesh)], timeout=170)
+    launch(mesh[0] * mesh[1] * mesh[2], [__file__, str(out), *map(str, mesh)], timeout=170)
     return mesh, json.loads((out / "counts.json").read_text())
 
 

@@ -20,7 +20,7 @@ import lightning as L
 import pytest
 import torch
 
-from helpers.launch import TESTS, torchrun
+from helpers.launch import TESTS, launch
 from lightning_hybrid import HybridParallelStrategy
 from lightning_hybrid.data.sampler import batch_size_of
 from lightning_hybrid.distributed.parallel_dims import ParallelDims, lightning_mesh
@@ -142,7 +142,7 @@ def test_batch_size_comes_from_the_tensors_else_from_the_dataloader():
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     out = tmp_path_factory.mktemp("dropin")
-    torchrun(WORLD, [str(TESTS / "dropin_worker.py"), str(out)], timeout=300)
+    launch(WORLD, [str(TESTS / "dropin_worker.py"), str(out)], timeout=300)
     return {path.stem: json.loads(path.read_text()) for path in out.glob("*.json")}
 
 

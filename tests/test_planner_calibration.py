@@ -11,8 +11,8 @@ from __future__ import annotations
 import json
 
 import pytest
-from launch import HERE, torchrun
 
+from helpers.launch import TESTS, launch
 from lightning_hybrid.models import Qwen2Config
 from lightning_hybrid.planner.search import rank_memory
 
@@ -41,7 +41,7 @@ def allocations(tmp_path_factory):
     out = tmp_path_factory.mktemp("calibration")
     spec = out / "layouts.json"
     spec.write_text(json.dumps(LAYOUTS))
-    torchrun(4, [str(HERE / "planner_calibration_worker.py"), str(spec), str(out)], timeout=200)
+    launch(4, [str(TESTS / "planner_calibration_worker.py"), str(spec), str(out)], timeout=200)
     return [record for rank in range(4) for record in json.loads((out / f"rank{rank}.json").read_text())]
 
 

@@ -5,9 +5,9 @@ from __future__ import annotations
 import json
 
 import pytest
-from launch import torchrun
 
 from helpers.gpu_records import HEALTHY_H100, record
+from helpers.launch import launch
 from lightning_hybrid.preflight.cli import _key_values
 from lightning_hybrid.preflight.health import check_gpu_health, gpu_type_from_name, read_nvml
 from lightning_hybrid.preflight.links import bus_bandwidth_factor
@@ -111,7 +111,7 @@ ARGS = ["-m", "lightning_hybrid.preflight", "--tp", "2", "--pp", "2", "--max-byt
 @pytest.mark.distributed
 @pytest.mark.timeout(240)
 def test_preflight_on_4_cpu_processes_measures_every_dimension_and_fails_an_impossible_expectation():
-    ok = torchrun(4, ARGS + ["--json"], timeout=180)
+    ok = launch(4, ARGS + ["--json"], timeout=180)
     doc = json.loads(ok.stdout[ok.stdout.index("{"):])
     assert doc["ok"] and doc["mesh"] == {"pp": 2, "dp": 1, "tp": 2} and doc["world_size"] == 4
     tests = {(link["dim"], link["test"]) for link in doc["links"]}
@@ -125,7 +125,7 @@ def test_preflight_on_4_cpu_processes_measures_every_dimension_and_fails_an_impo
     assert len(doc["matmul"]) == 4 and all(m["tflops"] > 0 for m in doc["matmul"])
     assert doc["health"]["status"] == "skipped" and "CPU" in doc["health"]["reason"]
 
-    bad = torchrun(4, ARGS + ["--expected-busbw", "tp=1e6"], timeout=180, check=False)
+    bad = launch(4, ARGS + ["--expected-busbw", "tp=1e6"], timeout=180, check=False)
     assert bad.returncode != 0
     failure = next(line for line in bad.stderr.splitlines() if "tp all_reduce: bus bandwidth" in line)
     assert "below 0.8 x expected 1e+06 GB/s on ranks [0, 1]" in failure or "on ranks [2, 3]" in failure

@@ -21,7 +21,7 @@ from typing import Any, Optional
 import pytest
 import yaml
 
-from helpers.cli_fork import CliForkServer
+from helpers.fork_server import fork_server
 from helpers.launch import torchrun
 
 REPO = Path(__file__).resolve().parents[1]
@@ -41,23 +41,11 @@ def recipe_id(path: Path) -> str:
     return path.stem
 
 
-_CLI: list[CliForkServer] = []  # started by the first printed_config, closed at the end of the module
-
-
-@pytest.fixture(scope="module", autouse=True)
-def _close_cli():
-    yield
-    while _CLI:
-        _CLI.pop().close()
-
-
 @functools.lru_cache(maxsize=None)
 def printed_config(recipe: Path) -> dict[str, Any]:
     """The complete configuration ``lightning-hybrid fit --config RECIPE --print_config`` prints, parsed (the command
-    line run in a process forked from one that imported the package once: :mod:`helpers.cli_fork`)."""
-    if not _CLI:
-        _CLI.append(CliForkServer())
-    result = _CLI[0].run(["fit", "--config", str(recipe), "--print_config"], cwd=REPO,
+    line run in a process forked from one that imported the package once: :mod:`helpers.fork_server`)."""
+    result = fork_server().run(["fit", "--config", str(recipe), "--print_config"], cwd=REPO,
                          env={**os.environ, "OMP_NUM_THREADS": "1"}, timeout=240)
     assert result.returncode == 0, f"{recipe.name}: --print_config failed:\n{result.stderr[-4000:]}"
     config = yaml.safe_load(result.stdout)

@@ -15,7 +15,7 @@ import torch
 
 from helpers.compare import assert_trains_like, max_relative_error
 from helpers.equivalence import SEED, LossRecorder, make_trainer_kwargs, tiny_config
-from helpers.launch import TESTS, torchrun
+from helpers.launch import TESTS, launch
 from lightning_hybrid.data.packed import PackedTokenDataset
 from lightning_hybrid.data.prepare_chat import prepare_chat
 from lightning_hybrid.data.tiny_chat import build_tiny_chat_tokenizer
@@ -130,7 +130,7 @@ def meshes(chat_folder, tmp_path_factory):
                {"name": "tp2_pp2_no_mask", "tp": 2, "pp": 2, "microbatches": 2, "document_mask": False}]
     spec = out / "spec.json"
     spec.write_text(json.dumps({"data": str(chat_folder / "data"), "configs": configs}))
-    torchrun(4, [str(TESTS / "sft_worker.py"), str(spec), str(out)], timeout=800)
+    launch(4, [str(TESTS / "sft_worker.py"), str(spec), str(out)], timeout=800)
     records = {c["name"]: torch.load(out / f"{c['name']}.pt", weights_only=False) for c in configs}
     return records, _reference(chat_folder)
 

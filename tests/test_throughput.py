@@ -1,6 +1,6 @@
 """ThroughputMonitor: the FLOPs formula, the peak table, straggler logic, and what a real run logs.
 
-Run as a script (by torchrun, from ``test_stragglers_are_found_by_rank_host_and_coordinates_with_tp2``)
+Run as a script (by ``helpers.launch.launch``, from ``test_stragglers_are_found_by_rank_host_and_coordinates_with_tp2``)
 it is the worker of the two-process test.
 """
 
@@ -248,9 +248,9 @@ def _worker(out: Path) -> None:
 def test_stragglers_are_found_by_rank_host_and_coordinates_with_tp2(tmp_path):
     import socket
 
-    from launch import torchrun
+    from helpers.launch import launch
 
-    result = torchrun(2, [__file__, str(tmp_path)], timeout=170)
+    result = launch(2, [__file__, str(tmp_path)], timeout=170)
     record = json.loads((tmp_path / "record.json").read_text())
     assert [step for step, _ in record["history"]] == [3, 6]
     for step, found in record["history"]:

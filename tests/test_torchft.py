@@ -4,15 +4,15 @@ its own torchrun launch of gloo processes, real SIGKILLs."""
 from __future__ import annotations
 
 import math
-import subprocess
+import os
 import sys
 
 import pytest
 import torch
 
-from helpers.launch import TESTS, worker_env
+from helpers.fork_server import fork_server
+from helpers.launch import TESTS, launch
 from helpers.torchft_groups import run_groups
-from lightning_hybrid.launch.torchrun import launcher_command
 
 pytest.importorskip("torchft")
 
@@ -30,9 +30,8 @@ def no_fault(tmp_path_factory) -> dict:
     groups = run_groups(tmp / "ft", 2, {"TP": 2, "STEPS": STEPS, "MIN_GROUPS": 2}, min_replicas=2, timeout=600)
     ref_dir = tmp / "ref"
     ref_dir.mkdir()
-    env = worker_env({"OUT": str(ref_dir), "REFERENCE": "1", "TP": "2", "STEPS": str(STEPS), "DP_SHARD": "1"})
-    subprocess.run([*launcher_command(4), str(TESTS / "torchft_worker.py")], env=env, check=True, timeout=300,
-                   capture_output=True)
+    launch(4, [str(TESTS / "torchft_worker.py")], timeout=300,
+           env={"OUT": str(ref_dir), "REFERENCE": "1", "TP": "2", "STEPS": str(STEPS), "DP_SHARD": "1"})
     return {"groups": groups, "reference": torch.load(ref_dir / "ref_0.pt", weights_only=False)}
 
 
@@ -230,8 +229,7 @@ def test_the_strategy_refuses_torchft_without_environment_on_construction(monkey
 
 
 def test_the_cli_reports_a_bad_lighthouse_request_in_one_line():
-    result = subprocess.run([sys.executable, "-m", "lightning_hybrid.cli", "lighthouse", "--min-replicas", "0"],
-                            capture_output=True, text=True, timeout=300)
+    result = fork_server().run(["lighthouse", "--min-replicas", "0"], cwd=TESTS, env=dict(os.environ))
     assert result.returncode == 2, result.stderr
     assert result.stderr.strip().splitlines()[-1].endswith(
         "--min-replicas 0 must be a positive integer (replica groups a quorum needs)")

@@ -10,7 +10,7 @@ import signal
 import pytest
 import torch
 
-from helpers.launch import TESTS, torchrun
+from helpers.launch import TESTS, launch, torchrun
 from lightning_hybrid.callbacks import EXIT_CODE_PREEMPTED, EXIT_CODE_UNHEALTHY, TrainingHealth
 
 POISON_STEP, STEPS = 2, 5
@@ -75,8 +75,8 @@ def records(tmp_path_factory) -> dict:
                       check=False)
     assert killed.returncode != 0 and f"Signal {int(signal.SIGKILL)} (SIGKILL)" in killed.stderr, killed.stderr[-3000:]
     # Launched again, the processes run the killed configuration only (the others' records exist): it resumes.
-    torchrun(4, [str(TESTS / "health_worker.py"), str(out / "configs.json"), str(out)], timeout=300,
-             env={"HEALTH_RESUMED": "1"})
+    launch(4, [str(TESTS / "health_worker.py"), str(out / "configs.json"), str(out)], timeout=300,
+           env={"HEALTH_RESUMED": "1"})
     return {c["name"]: torch.load(out / f"{c['name']}.pt", weights_only=False) for c in configs}
 
 

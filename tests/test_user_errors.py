@@ -1,7 +1,7 @@
 """A user's mistake on the command line ends with one line naming the bad value, printed once, no traceback.
 
 Each case runs the ``lightning-hybrid`` command line in a fresh process forked from one that imported the package
-once (:mod:`helpers.cli_fork`: the imports are 5 of the 5-6 s a CLI process takes here); two cases run the command
+once (:mod:`helpers.fork_server`: the imports are 5 of the 5-6 s a CLI process takes here); two cases run the command
 as a separate interpreter, as a user does, imports included. The time each took is printed (``-s``) for the record,
 never asserted: the machine is shared and noisy.
 """
@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from helpers.cli_fork import CliForkServer
+from helpers.fork_server import fork_server
 from helpers.launch import TESTS
 
 ROOT = TESTS.parent
@@ -112,8 +112,7 @@ def _byte_tokenizer(tmp: Path) -> Path:
 
 @pytest.fixture(scope="module")
 def cli():
-    with CliForkServer() as server:
-        yield server
+    return fork_server()
 
 
 @pytest.mark.slow  # one process importing torch and Lightning, a fork per case

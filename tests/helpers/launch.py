@@ -4,6 +4,11 @@ The command line and the kill of the whole process group on a timeout are the pa
 (:mod:`lightning_hybrid.launch.torchrun`, also behind the notebooks' ``launch_cli``); this adds what tests need:
 ``PYTHONPATH`` pointing at the tests folder (workers import ``helpers``, ``user_module``, ``mesh_probe``),
 stdout and stderr captured apart, and an ``AssertionError`` with the output's tail on a failure or a hang.
+
+:func:`launch` starts the same process group without paying each rank's imports: its ranks are forked from a process
+that imported torch, Lightning and the package once (:mod:`helpers.fork_server`). Tests of the math, the state and the
+errors inside a run use it; tests of what torchrun's agent does (restarts, exit codes, signals to a worker, the
+rendezvous) use :func:`torchrun`.
 """
 
 from __future__ import annotations
@@ -16,7 +21,7 @@ from typing import Optional
 
 from lightning_hybrid.launch.torchrun import free_port, kill_process_group, launcher_command
 
-__all__ = ["TESTS", "free_port", "kill_process_group", "worker_env", "torchrun", "run_workers"]
+__all__ = ["TESTS", "free_port", "kill_process_group", "worker_env", "torchrun", "launch", "run_workers"]
 
 TESTS = Path(__file__).resolve().parents[1]  # the tests folder: worker scripts live here
 
@@ -49,12 +54,25 @@ def torchrun(nproc: int, args: list[str], timeout: float = 240, env: Optional[di
     return result
 
 
+def launch(nproc: int, args: list[str], timeout: float = 240, env: Optional[dict] = None,
+           check: bool = True) -> subprocess.CompletedProcess:
+    """:func:`torchrun`'s process group (the same environment in each rank, the others stopped when one fails), its
+    ranks forked from :func:`helpers.fork_server.fork_server`; a failure or a hang raises as :func:`torchrun` does."""
+    from helpers.fork_server import fork_server
+
+    result = fork_server().launch(nproc, args, env=worker_env(env), timeout=timeout)
+    if check and result.returncode != 0:
+        raise AssertionError(f"{result.args[0]} failed ({result.returncode}):\n{result.stdout[-4000:]}\n"
+                             f"{result.stderr[-8000:]}")
+    return result
+
+
 def run_workers(nproc: int, configs: list[dict], out: Path, timeout: float = 300) -> dict[str, dict]:
     """Run ``dist_worker.py`` over ``configs`` in one process group; return each configuration's record."""
     out.mkdir(parents=True, exist_ok=True)
     spec = out / "configs.json"
     spec.write_text(json.dumps(configs))
-    torchrun(nproc, [str(TESTS / "dist_worker.py"), str(spec), str(out)], timeout=timeout)
+    launch(nproc, [str(TESTS / "dist_worker.py"), str(spec), str(out)], timeout=timeout)
     import torch
 
     return {c["name"]: torch.load(out / f"{c['name']}.pt", weights_only=False) for c in configs}
