@@ -16,6 +16,13 @@ def reference_run():
     return run_reference()
 
 
+def pytest_xdist_auto_num_workers(config):
+    """``-n auto`` (the default in pyproject.toml): a worker per core, at most 4. The suite is CPU-bound apart from
+    the recovery scenarios' waits, and a test launches up to 8 processes of ~0.5 GB: more workers than cores only
+    slow every test down, and 4 bound the memory on a large machine."""
+    return max(1, min(os.cpu_count() or 1, 4))
+
+
 def pytest_collection_modifyitems(config, items):
     """Every test that launches a process group (``distributed``) or runs a notebook is also ``slow``: ``pytest -m
     "not slow"`` is then the inner loop of unit tests, and a new launch test cannot slow it down unmarked."""

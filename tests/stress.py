@@ -4,7 +4,8 @@
     python tests/stress.py --runs 5 -k context_parallel     # a subset (pytest's -k expression)
     python tests/stress.py --runs 3 --marker ""             # the whole suite
 
-Each run is one ``pytest`` process (so module-scoped launches run again) that writes a JUnit XML report; the table
+Each run is one ``pytest`` command (so module-scoped launches run again; its xdist workers as configured in
+pyproject.toml, ``-n auto``) that writes a JUnit XML report; the table
 lists every test with its failure count per condition, then the totals. Under load, one
 busy process per core spins for the whole run, as other jobs on a shared CI machine would. Exit code 1 when any
 test failed in any run.
