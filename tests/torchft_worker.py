@@ -88,6 +88,30 @@ class Record(L.Callback):
             time.sleep(60)
 
 
+def _meet_before_the_first_quorum(out: Path, ranks: int) -> None:
+    """A first start: every rank of every group waits, its torchft Manager already heartbeating to the lighthouse,
+    until all have one, then asks for the first quorum. The lighthouse then waits (join timeout) for the other group
+    and both groups are in the first quorum. Without this wait, on a loaded machine one group's setup lagged the
+    other's by more than the join timeout: the lighthouse, not yet hearing the late group, gave the first group a
+    quorum alone (min_replicas=1), which trained on alone past KILL_AT (reproduced under load: the survivor's first
+    step was 8, test_a_killed_pipeline_replica_group_heals_and_rejoins). Waiting before the Trainer was built, as
+    this did before, left the Managers' creation out of the wait."""
+    from lightning_hybrid.distributed.fault_tolerance import ReplicaGroups
+
+    start_step = ReplicaGroups.start_step
+
+    def start_after_the_meeting(self) -> None:
+        if not self.in_step and not getattr(self, "_met", False):
+            self._met = True
+            Path(out, f"ready_{env('REPLICA_GROUP_ID')}_{env('RANK')}").write_text("")
+            deadline = time.monotonic() + 300  # bounded: a rank that never comes fails the test by its timeout
+            while len(list(out.glob("ready_*"))) < ranks and time.monotonic() < deadline:
+                time.sleep(0.05)
+        start_step(self)
+
+    ReplicaGroups.start_step = start_after_the_meeting
+
+
 def main() -> None:
     out = Path(env("OUT"))
     steps, tp, pp = int(env("STEPS", "8")), int(env("TP", "1")), int(env("PP", "1"))
@@ -109,10 +133,8 @@ def main() -> None:
     elif env("LATE_AFTER"):  # group 1 starts once group 0 finished that many steps alone
         while env("REPLICA_GROUP_ID") == "1" and not Path(out, f"step_{env('LATE_AFTER')}").exists():
             time.sleep(0.1)
-    elif not reference:  # a first start: every group gets here before any joins a quorum (the machine is slow)
-        Path(out, f"ready_{env('REPLICA_GROUP_ID')}_{env('RANK')}").write_text("")
-        while len(list(Path(out).glob("ready_*"))) < world * int(env("NUM_REPLICA_GROUPS")):
-            time.sleep(0.1)
+    elif not reference:
+        _meet_before_the_first_quorum(out, world * int(env("NUM_REPLICA_GROUPS")))
     trainer = L.Trainer(strategy=strategy, devices=world, callbacks=[record], **kwargs)
     module = CausalLM(tiny_config(), **make_trainer_kwargs()["module"])
     train, _ = make_dataset(GLOBAL_BATCH // data_ranks)
