@@ -170,13 +170,12 @@ def _become(args: list[str], env: dict[str, str]) -> None:
 def _launch(request: dict) -> None:
     """In the launcher child (a session of its own): fork the ranks, wait for them as torchrun's agent does."""
     import signal
-    import socket
     import time
 
+    from lightning_hybrid.launch.torchrun import free_port
+
     os.setsid()
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     nproc = request["nproc"]
     ranks = {}
     for rank in range(nproc):
