@@ -32,6 +32,30 @@ def reference():
     return p, search(p)
 
 
+def test_the_block_work_memo_equals_the_computation_for_every_candidate_of_a_search() -> None:
+    # the memo is keyed by the layout fields the block's work reads; a field read but left out of the key would give
+    # some candidate another's figures: every candidate of a search (all tp, pp, dp modes, micro-batch sizes,
+    # schedules, recompute and sequence parallel choices, cp) is checked against a fresh computation
+    from lightning_hybrid.planner.search import (
+        _block_work,
+        _compute_block_work,
+        _layout_shape,
+        candidates,
+        context_sizes,
+        meshes,
+    )
+
+    p = problem("--model qwen2.5-7b --gpus 16 --gpus-per-node 8 --gpu h100 --seq-len 8192".split())
+    seen = set()
+    for tp, pp, reason in meshes(p):
+        for cp in ([] if reason else context_sizes(p, tp)):
+            for layout in (candidates(p, tp, pp, cp=cp) if p.hw.gpus % (tp * pp * cp) == 0 else []):
+                tokens = _layout_shape(p, layout).tokens
+                assert _block_work(p, layout, tokens) == _compute_block_work(p, layout, tokens), layout
+                seen.add((layout.tp, layout.recompute, layout.sequence_parallel, layout.cp, tokens))
+    assert len(seen) > 20, seen
+
+
 # ----------------------------------------------------------------------------- the 72B reference case
 
 

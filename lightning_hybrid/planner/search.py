@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import functools
 import math
-from dataclasses import asdict, astuple, dataclass, field
+from dataclasses import asdict, dataclass, field, fields
 from typing import Iterator, Optional
 
 from lightning_hybrid.distributed.data_parallel import GRADIENT_BUCKET_BYTES
@@ -223,11 +223,15 @@ class _Work:
     cp: float = 0.0  # the K/V exchange of context parallelism, forward (all-gather) and backward (reduce-scatter)
     p2p: float = 0.0  # pipeline transfers in the critical path (only on CPU cores with none spare; else overlapped)
 
+    def _values(self) -> tuple[float, ...]:
+        # the fields' values in order (``astuple`` deep-copies each float: a third of a search's time)
+        return tuple(getattr(self, name) for name in _WORK_FIELDS)
+
     def __add__(self, other: "_Work") -> "_Work":
-        return _Work(*(x + y for x, y in zip(astuple(self), astuple(other))))
+        return _Work(*(x + y for x, y in zip(self._values(), other._values())))
 
     def __mul__(self, k: float) -> "_Work":
-        return _Work(*(x * k for x in astuple(self)))
+        return _Work(*(x * k for x in self._values()))
 
     @property
     def compute(self) -> float:
@@ -237,6 +241,9 @@ class _Work:
     @property
     def total(self) -> float:
         return self.compute + self.recompute + self.tp + self.cp + self.p2p
+
+
+_WORK_FIELDS = tuple(f.name for f in fields(_Work))
 
 
 @dataclass(frozen=True)
@@ -369,8 +376,25 @@ def _hbm_seconds(problem: Problem, nbytes: float) -> float:
     return nbytes / (problem.hw.gpu.hbm_tbs * 1e12 * problem.time_model.hbm_efficiency)
 
 
+# _block_work's results by (problem, tokens and the layout fields it reads): a search asks for the same block under
+# thousands of candidates that differ only in pp, dp, micro-batching and schedule
+_BLOCK_WORK: dict[tuple, "_Work"] = {}
+_BLOCK_WORK_LIMIT = 65536
+
+
 def _block_work(problem: Problem, layout: Layout, tokens: int) -> _Work:
     """One block on one TP rank for a micro-batch of ``tokens`` (see :mod:`~lightning_hybrid.planner.step_time`)."""
+    key = (problem, tokens, layout.tp, layout.sequence_parallel, layout.recompute, layout.cp)
+    work = _BLOCK_WORK.get(key)
+    if work is None:
+        if len(_BLOCK_WORK) >= _BLOCK_WORK_LIMIT:
+            _BLOCK_WORK.clear()
+        work = _BLOCK_WORK[key] = _compute_block_work(problem, layout, tokens)
+    return work
+
+
+def _compute_block_work(problem: Problem, layout: Layout, tokens: int) -> _Work:
+    """:func:`_block_work` without the memo (it reads only the layout fields in the memo's key)."""
     c, rt = problem.config, problem.runtime
     shapes = block_gemms(c, layout.tp)
     gemms = {name: _gemm_seconds(problem, tokens, k, n, float8=True) for name, (k, n) in shapes.items()}
