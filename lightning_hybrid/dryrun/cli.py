@@ -12,7 +12,7 @@ from lightning_hybrid.dryrun.compare import FIGURES, predict, usable_bytes
 from lightning_hybrid.dryrun.recipe import DryRunJob, load_job
 from lightning_hybrid.dryrun.roles import Role, parse_ranks, rank_roles
 
-__all__ = ["build_parser", "dry_run_main", "dry_run", "EXIT_DOES_NOT_FIT"]
+__all__ = ["build_parser", "dry_run_main", "dry_run", "role_pool", "trace_ranks", "EXIT_DOES_NOT_FIT"]
 
 EXIT_DOES_NOT_FIT = 1
 
@@ -96,18 +96,45 @@ def traced_microbatches(options: Any, dims: Any) -> int:
     return min(m, 2 * dims.pp * options.virtual_stages)
 
 
-def trace_ranks(job: DryRunJob, ranks: list[int], limit: Optional[float] = None) -> list[Any]:
-    """:func:`~lightning_hybrid.dryrun.rank.run_rank` for each rank, each in a fresh process (a process joins one
-    world: torch keeps process groups and meshes by name for the life of a process), several at once on a
-    machine with the cores for it. A rank stops as soon as it is certain to hold more than ``limit`` bytes."""
+# What a rank's process needs, imported once by multiprocessing's fork server (one per process that traces ranks),
+# from which every rank's process is then forked: a spawned rank imported torch and Lightning again (~5-7 s of CPU).
+ROLE_PRELOAD = ["lightning_hybrid.dryrun.rank", "lightning_hybrid.dryrun.fake", "lightning_hybrid.strategy",
+                "lightning_hybrid.models", "lightning.pytorch"]
+
+
+def _take_environment(environ: dict[str, str]) -> None:
+    """A rank's process starts with the environment of the process that asked for it (the fork server's is the one
+    it started with)."""
+    import os
+
+    os.environ.clear()
+    os.environ.update(environ)
+
+
+def role_pool(workers: int) -> Any:
+    """A process pool whose every task runs in a fresh process (a process joins one world: torch keeps process
+    groups and meshes by name for the life of a process), forked from a fork server that imported
+    :data:`ROLE_PRELOAD` once, with this process's current environment."""
     import multiprocessing
     import os
     from concurrent.futures import ProcessPoolExecutor
 
+    context = multiprocessing.get_context("forkserver")
+    context.set_forkserver_preload(ROLE_PRELOAD)  # takes effect when this process starts its fork server
+    return ProcessPoolExecutor(workers, mp_context=context, max_tasks_per_child=1, initializer=_take_environment,
+                               initargs=(dict(os.environ),))
+
+
+def trace_ranks(job: DryRunJob, ranks: list[int], limit: Optional[float] = None) -> list[Any]:
+    """:func:`~lightning_hybrid.dryrun.rank.run_rank` for each rank, each in a fresh process of :func:`role_pool`,
+    several at once on a machine with the cores for it. A rank stops as soon as it is certain to hold more than
+    ``limit`` bytes."""
+    import os
+
     from lightning_hybrid.dryrun.rank import run_rank
 
     workers = max(1, min(len(ranks), os.cpu_count() or 1))
-    with ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("spawn"), max_tasks_per_child=1) as pool:
+    with role_pool(workers) as pool:
         return list(pool.map(run_rank, [job] * len(ranks), ranks, [True] * len(ranks), [0] * len(ranks),
                              [None] * len(ranks), [limit] * len(ranks)))
 
@@ -127,7 +154,7 @@ def _role_report(job: DryRunJob, role: Role, result: Any, prediction: Any) -> di
             "peak_breakdown": result.peak, "kind_peaks": result.kind_peaks, "collectives": result.collectives,
             "planner_collectives": prediction.collectives,
             "fits": result.total_peak <= prediction.usable and result.stopped is None, "stopped": result.stopped,
-            "seconds": round(result.seconds, 2)}
+            "seconds": round(result.seconds, 2), "max_rss_bytes": result.max_rss}
 
 
 def dry_run(job: DryRunJob, ranks: list[int], gpu: str, device_memory_gib: Optional[float] = None,

@@ -47,6 +47,7 @@ class RankResult:
     peak: dict[str, int]
     collectives: dict[str, dict[str, list[int]]]
     seconds: float
+    max_rss: int = 0  # the most resident bytes this rank's process held (its own memory, not the job's)
     extra: dict[str, Any] = field(default_factory=dict)
 
     @property
@@ -230,7 +231,7 @@ def _build_and_trace(job: DryRunJob, rank: int, fake: bool, warmup_steps: int, s
         peak = {"Parameter": floor["parameters"], "Gradient": floor["gradients"], "Optstate": floor["optimizer"]}
         result.state, result.kind_peaks, result.peak = floor, dict(peak), {**peak, "Total": sum(floor.values())}
         result.extra["stopped"] = "model state"
-        result.seconds = time.perf_counter() - start
+        result.seconds, result.max_rss = time.perf_counter() - start, _max_rss()
         return result
     generator = torch.Generator().manual_seed(job.seed)
     ids = torch.randint(0, module.config.vocab_size, (job.batch_size, job.seq_len), generator=generator)
@@ -255,4 +256,11 @@ def _build_and_trace(job: DryRunJob, rank: int, fake: bool, warmup_steps: int, s
     result.state["gradients"] = grads.get("gradients", result.state["gradients"])
     result.kind_peaks, result.peak = dict(tracker.kind_peaks), tracker.peak_breakdown()
     result.collectives, result.seconds = counter.table(), time.perf_counter() - start
+    result.max_rss = _max_rss()
     return result
+
+
+def _max_rss() -> int:
+    import resource
+
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
