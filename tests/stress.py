@@ -3,10 +3,12 @@
     python tests/stress.py --runs 20                        # every test marked ``distributed``
     python tests/stress.py --runs 5 -k context_parallel     # a subset (pytest's -k expression)
     python tests/stress.py --runs 3 --marker ""             # the whole suite
+    python tests/stress.py --runs 20 -k elastic --reports stress-reports   # keep the JUnit reports
 
 Each run is one ``pytest`` command (so module-scoped launches run again; its xdist workers as configured in
 pyproject.toml, ``-n auto``) that writes a JUnit XML report; the table
-lists every test with its failure count per condition, then the totals. Under load, one
+lists every test with its failure count per condition, then the totals; each failure's message is printed as the
+run ends (the reports keep the tracebacks: ``--reports DIR``). Under load, one
 busy process per core spins for the whole run, as other jobs on a shared CI machine would. Exit code 1 when any
 test failed in any run.
 """
@@ -36,6 +38,8 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     parser.add_argument("--conditions", default="idle,load",
                         help="comma-separated: idle (nothing added), load (a busy process per core)")
     parser.add_argument("--busy", type=int, default=os.cpu_count() or 1, help="busy processes under load")
+    parser.add_argument("--reports", type=Path, default=None,
+                        help="keep each run's JUnit XML report in this folder (default: a temporary folder)")
     args = parser.parse_args(argv)
     if args.runs < 1:
         parser.error(f"--runs {args.runs} must be at least 1")
@@ -67,6 +71,17 @@ def outcomes(report: Path) -> dict[str, bool]:
         failed = case.find("failure") is not None or case.find("error") is not None
         result[name] = result.get(name, False) or failed
     return result
+
+
+def failure_messages(report: Path) -> dict[str, str]:
+    """Test id -> the first line of its failure or error message, for the tests that failed in one report."""
+    messages: dict[str, str] = {}
+    for case in ET.parse(report).getroot().iter("testcase"):
+        problem = case.find("failure") if case.find("failure") is not None else case.find("error")
+        if problem is not None:
+            text = problem.get("message") or problem.text or ""
+            messages[f"{case.get('classname', '')}::{case.get('name', '')}"] = (text.strip().splitlines() or [""])[0]
+    return messages
 
 
 def tally(runs: dict[str, list[dict[str, bool]]]) -> dict[str, dict[str, int]]:
@@ -106,6 +121,8 @@ def run_condition(args: argparse.Namespace, loaded: bool, folder: Path, name: st
             results.append(outcomes(report) if report.exists() else {})
             summary = (proc.stdout.strip().splitlines() or ["(no output)"])[-1]
             print(f"[{name} {i + 1}/{args.runs}] {summary}", flush=True)
+            for test, message in (failure_messages(report) if report.exists() else {}).items():
+                print(f"    FAILED {test}: {message[:300]}", flush=True)
     finally:
         for proc in busy:
             proc.terminate()
@@ -116,7 +133,9 @@ def run_condition(args: argparse.Namespace, loaded: bool, folder: Path, name: st
 def main(argv: Optional[Sequence[str]] = None) -> int:
     args = parse_args(argv)
     with tempfile.TemporaryDirectory(prefix="stress-") as tmp:
-        runs = {cond: run_condition(args, CONDITIONS[cond], Path(tmp), cond) for cond in args.conditions}
+        folder = args.reports or Path(tmp)
+        folder.mkdir(parents=True, exist_ok=True)
+        runs = {cond: run_condition(args, CONDITIONS[cond], folder, cond) for cond in args.conditions}
     counts = tally(runs)
     print(format_table(counts, args.runs, args.conditions))
     return 1 if any(any(c.values()) for c in counts.values()) else 0

@@ -22,7 +22,7 @@ import pytest
 import yaml
 
 from helpers.fork_server import fork_server
-from helpers.launch import torchrun
+from helpers.launch import launch
 
 REPO = Path(__file__).resolve().parents[1]
 RECIPES = sorted((REPO / "recipes").glob("*.yaml"))
@@ -300,11 +300,12 @@ def test_tiny_recipe_trains_five_steps_on_four_processes_with_finite_falling_los
         tmp_path):
     from lightning_hybrid.launch.torchrun import latest_version_dir, read_scalars
 
-    result = torchrun(4, ["-m", "lightning_hybrid.cli", "fit", "--config", str(TINY),
-                          "--trainer.max_steps", "5", "--trainer.val_check_interval", "5",
-                          "--trainer.limit_val_batches", "2", "--trainer.log_every_n_steps", "1",
-                          "--trainer.enable_progress_bar", "false", "--trainer.logger.init_args.save_dir",
-                          str(tmp_path)], timeout=240)
+    # the ranks forked from the tests' fork server (the CLI under real torchrun: tests/test_multinode.py)
+    result = launch(4, ["-m", "lightning_hybrid.cli", "fit", "--config", str(TINY),
+                        "--trainer.max_steps", "5", "--trainer.val_check_interval", "5",
+                        "--trainer.limit_val_batches", "2", "--trainer.log_every_n_steps", "1",
+                        "--trainer.enable_progress_bar", "false", "--trainer.logger.init_args.save_dir",
+                        str(tmp_path)], timeout=240)
     assert re.search(r"throughput: [\d,]+ tokens/s", result.stdout), result.stdout[-3000:]
     run_dir = latest_version_dir(tmp_path)
     assert run_dir is not None, f"no TensorBoard events under {tmp_path}"

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from helpers.launch import torchrun
+from helpers.launch import launch
 from lightning_hybrid.data.prepare import prepare_main
 from lightning_hybrid.data.tiny_chat import main as tiny_chat_main
 
@@ -27,12 +27,12 @@ def test_tiny_sft_recipe_trains_on_tp2_pp2_with_a_falling_loss(tmp_path):
     assert prepare_main(["--format", "chat", "--tokenizer", str(tmp_path / "tiny-chat" / "tokenizer"), "--input",
                          str(tmp_path / "tiny-chat" / "chat.jsonl"), "--output", str(tmp_path / "data"),
                          "--seq-len", "256"]) == 0
-    result = torchrun(4, ["-m", "lightning_hybrid.cli", "fit", "--config", str(RECIPE),
-                          "--data.init_args.path", str(tmp_path / "data"), "--data.init_args.val_fraction", "0.05",
-                          "--trainer.max_steps", "8", "--trainer.val_check_interval", "8",
-                          "--trainer.limit_val_batches", "1", "--trainer.log_every_n_steps", "1",
-                          "--trainer.enable_progress_bar", "false", "--trainer.logger.init_args.save_dir",
-                          str(tmp_path)], timeout=360)
+    result = launch(4, ["-m", "lightning_hybrid.cli", "fit", "--config", str(RECIPE),
+                        "--data.init_args.path", str(tmp_path / "data"), "--data.init_args.val_fraction", "0.05",
+                        "--trainer.max_steps", "8", "--trainer.val_check_interval", "8",
+                        "--trainer.limit_val_batches", "1", "--trainer.log_every_n_steps", "1",
+                        "--trainer.enable_progress_bar", "false", "--trainer.logger.init_args.save_dir",
+                        str(tmp_path)], timeout=360)
     assert re.search(r"throughput: [\d,]+ tokens/s", result.stdout), result.stdout[-3000:]
     scalars = read_scalars(latest_version_dir(tmp_path))
     losses = [value for _, value in scalars["train_loss"]]

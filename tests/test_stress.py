@@ -9,7 +9,8 @@ import stress
 def test_arguments_default_to_the_distributed_tests_idle_and_under_load():
     args = stress.parse_args(["--runs", "20", "-k", "elastic"])
     assert (args.runs, args.expr, args.marker, args.conditions) == (20, "elastic", "distributed", ["idle", "load"])
-    assert stress.parse_args(["--conditions", "load"]).conditions == ["load"]
+    assert stress.parse_args(["--conditions", "load"]).conditions == ["load"] and args.reports is None
+    assert stress.parse_args(["--reports", "out"]).reports == stress.Path("out")
     command = stress.pytest_command(args, stress.TESTS / "r.xml")
     assert command[-4:] == ["-m", "distributed", "-k", "elastic"] and f"--junitxml={stress.TESTS / 'r.xml'}" in command
     assert stress.pytest_command(stress.parse_args(["--marker", ""]), stress.TESTS / "r.xml").count("-m") == 1
@@ -30,6 +31,7 @@ def test_junit_reports_become_failure_counts_per_test_and_condition(tmp_path):
                       '<testcase classname="tests.test_a" name="test_skip"><skipped/></testcase>'
                       '</testsuite></testsuites>')
     first = stress.outcomes(report)
+    assert stress.failure_messages(report) == {"tests.test_a::test_bad": "x", "tests.test_a::test_setup": "y"}
     assert first == {"tests.test_a::test_ok": False, "tests.test_a::test_bad": True, "tests.test_a::test_setup": True}
     second = {"tests.test_a::test_ok": False, "tests.test_a::test_bad": False}  # test_setup missing: a crashed run
     counts = stress.tally({"idle": [first, second], "load": [second, second]})
