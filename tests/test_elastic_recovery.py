@@ -44,12 +44,17 @@ def _torchrun(out: Path, nproc: int, max_restarts: int, nodes: Optional[str] = N
     return [*cmd, WORKER]
 
 
+def _worker_variables(out: Path, variables: dict) -> dict[str, str]:
+    """The worker's environment variables for a run writing into ``out`` (see tests/elastic_worker.py)."""
+    return {"OUT": str(out), "CKPT": str(out / "ckpt"), **{k: str(v) for k, v in variables.items()}}
+
+
 def _launch(out: Path, nodes: int = 1, max_restarts: int = 2, timeout: float = 400, nnodes: Optional[str] = None,
             **variables) -> list[subprocess.CompletedProcess]:
     """Run the worker under torchrun (``nodes`` agents of 4 // nodes processes each, NODE_TAG A, B, ...); fail on a
     hang. Node A starts first, so it hosts the c10d rendezvous store (a lost node B leaves it)."""
     out.mkdir(parents=True, exist_ok=True)
-    env = worker_env({"OUT": str(out), "CKPT": str(out / "ckpt"), **{k: str(v) for k, v in variables.items()}})
+    env = worker_env(_worker_variables(out, variables))
     if nodes > 1:  # as the launchers: a fresh store each round (see lightning_hybrid/distributed/elastic.py)
         env["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"
         env["LOGLEVEL"] = "INFO"  # torchrun's agents log a restart for a membership change at INFO (_agent_round_ends)
@@ -143,8 +148,7 @@ def reference(tmp_path_factory) -> Path:
     of torchrun's agent is used (no restart), so its ranks fork from the tests' fork server."""
     out = tmp_path_factory.mktemp("reference")
     variables = dict(HANG_TIMEOUT=8, SLOW_FIRST_STEP=12, VAL_BATCHES=2, VAL_SLEEP=5, VAL_AT=4)
-    launch(4, [WORKER], timeout=400, env={"OUT": str(out), "CKPT": str(out / "ckpt"), "NODE_TAG": "A",
-                                          **{k: str(v) for k, v in variables.items()}})
+    launch(4, [WORKER], timeout=400, env={**_worker_variables(out, variables), "NODE_TAG": "A"})
     assert not _leftover_workers(out)
     return out
 
