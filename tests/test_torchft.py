@@ -1,5 +1,6 @@
-"""Per-step fault tolerance with torchft replica groups: torchft's real lighthouse on localhost, each replica group
-its own torchrun launch of gloo processes, real SIGKILLs."""
+"""Per-step fault tolerance with torchft replica groups: torchft's real lighthouse on localhost, gloo processes, real
+SIGKILLs. In the kill scenarios each replica group is its own torchrun launch (torchrun restarts the killed group);
+without a restart, the groups' ranks are forked side by side from the fork server (``run_groups(fork=True)``)."""
 
 from __future__ import annotations
 
@@ -27,7 +28,8 @@ def _relative(a: torch.Tensor, b: torch.Tensor) -> float:
 def no_fault(tmp_path_factory) -> dict:
     """2 replica groups x 2 processes (tp=2) under torchft, and one launch of 4 processes, HSDP 2 replicas x 2."""
     tmp = tmp_path_factory.mktemp("torchft_no_fault")
-    groups = run_groups(tmp / "ft", 2, {"TP": 2, "STEPS": STEPS, "MIN_GROUPS": 2}, min_replicas=2, timeout=600)
+    groups = run_groups(tmp / "ft", 2, {"TP": 2, "STEPS": STEPS, "MIN_GROUPS": 2}, min_replicas=2, timeout=600,
+                        fork=True)
     ref_dir = tmp / "ref"
     ref_dir.mkdir()
     launch(4, [str(TESTS / "torchft_worker.py")], timeout=300,
@@ -153,7 +155,7 @@ def test_a_replica_group_that_starts_late_heals_and_reads_its_share_from_its_fir
     """Group 1 starts once group 0 trained 2 steps alone: it heals at its first quorum (weights, optimizer, loops,
     data position) and from its first step on reads its own share of each global batch."""
     records = run_groups(tmp_path, 2, {"TP": 2, "STEPS": STEPS, "LATE_AFTER": 2, "STEP_SLEEP": 2}, min_replicas=1,
-                         timeout=900)
+                         timeout=900, fork=True)
     live, late = records["0_0"], records["1_0"]
     assert [s["step"] for s in live["steps"]] == list(range(1, STEPS + 1))
     assert [s["participants"] for s in live["steps"][:2]] == [1, 1]

@@ -1,4 +1,5 @@
-"""One replica group of a torchft job (``fault_tolerance="torchft"``), launched with torchrun by the torchft tests.
+"""One replica group of a torchft job (``fault_tolerance="torchft"``), launched by the torchft tests (torchrun, or
+forked ranks where no group restarts: ``helpers.torchft_groups.run_groups``).
 
 Environment: OUT (results folder), STEPS, TP, PP, DP_SHARD (data_parallel="hsdp" reference: 4 processes, no torchft),
 REFERENCE (1: train as one launch without torchft), KILL_AT (group KILL_GROUP's rank 0 SIGKILLs every process of

@@ -12,6 +12,8 @@ those modules once and then, per request, forks:
   store does), each running the script (or ``-m module``) as ``__main__``. As torchrun's agent does, when one rank
   fails the others are stopped (SIGTERM, then SIGKILL after 10 s) and the launch exits 1; a timeout kills the
   session.
+- ``launch_groups``: several such process groups at once, each with its own rendezvous port, environment and log, as
+  several torchruns side by side (torchft's replica groups); a failed rank stops every group.
 
 A forked child differs from a fresh interpreter only in what happened at import time, which is the same for every
 child (the server runs nothing but imports). What torchrun's agent itself does (restarts, rendezvous rounds, its
@@ -87,6 +89,17 @@ class ForkServer:
         request = {"nproc": nproc, "args": args, "cwd": str(cwd or os.getcwd()), "env": env, "timeout": timeout}
         return self._request(request, f"forked launch of {nproc} x {' '.join(args)}")
 
+    def launch_groups(self, nproc: int, args: list[str], env: dict[str, str], groups: list[dict[str, str]],
+                      logs: list[Path], timeout: float = 240,
+                      cwd: Optional[Path] = None) -> subprocess.CompletedProcess:
+        """One :meth:`launch` of ``nproc`` ranks per entry of ``groups`` (that group's variables over ``env``), all
+        at once, each on its own rendezvous port; group ``g``'s ranks write stdout and stderr to ``logs[g]``."""
+        if len(logs) != len(groups):
+            raise ValueError(f"{len(logs)} logs for {len(groups)} groups")
+        request = {"nproc": nproc, "args": args, "cwd": str(cwd or os.getcwd()), "env": env, "timeout": timeout,
+                   "groups": [{"env": group, "log": str(log)} for group, log in zip(groups, logs)]}
+        return self._request(request, f"forked launch of {len(groups)} groups of {nproc} x {' '.join(args)}")
+
     def close(self) -> None:
         if self.proc.poll() is None:
             self.proc.stdin.close()
@@ -117,14 +130,21 @@ def fork_server() -> ForkServer:
 # ---------------------------------------------------------------------------------------------- the server's side
 
 def _redirect(stdout: str, stderr: str) -> None:
-    """fd 0 from /dev/null, fds 1 and 2 to the request's files; Python's streams line-buffered on them."""
+    """fd 0 from /dev/null, fds 1 and 2 to the request's files (one file opened once, appended to, when both are
+    the same: a group's ranks share a log); Python's streams line-buffered on them."""
     devnull = os.open(os.devnull, os.O_RDONLY)
     os.dup2(devnull, 0)
     os.close(devnull)
-    for fd, path in ((1, stdout), (2, stderr)):
-        handle = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
-        os.dup2(handle, fd)
+    if stdout == stderr:
+        handle = os.open(stdout, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+        os.dup2(handle, 1)
+        os.dup2(handle, 2)
         os.close(handle)
+    else:
+        for fd, path in ((1, stdout), (2, stderr)):
+            handle = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+            os.dup2(handle, fd)
+            os.close(handle)
     sys.stdout = open(1, "w", buffering=1, closefd=False)
     sys.stderr = open(2, "w", buffering=1, closefd=False)
 
@@ -175,27 +195,31 @@ def _launch(request: dict) -> None:
     from lightning_hybrid.launch.torchrun import free_port
 
     os.setsid()
-    port = free_port()
     nproc = request["nproc"]
+    groups = request.get("groups") or [{"env": {}, "log": None}]
     ranks = {}
-    for rank in range(nproc):
-        env = {**request["env"], "RANK": str(rank), "LOCAL_RANK": str(rank), "GROUP_RANK": "0",
-               "ROLE_RANK": str(rank), "ROLE_NAME": "default", "LOCAL_WORLD_SIZE": str(nproc),
-               "WORLD_SIZE": str(nproc), "GROUP_WORLD_SIZE": "1", "ROLE_WORLD_SIZE": str(nproc),
-               "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "TORCHELASTIC_RESTART_COUNT": "0",
-               "TORCHELASTIC_MAX_RESTARTS": "0", "TORCHELASTIC_RUN_ID": "none",
-               "TORCHELASTIC_USE_AGENT_STORE": "False"}
-        pid = os.fork()
-        if pid == 0:
-            _become(request["args"], env)
-        ranks[pid] = rank
+    for g, group in enumerate(groups):
+        port = free_port()  # each group its own store, as each torchrun its own --master-port
+        for rank in range(nproc):
+            env = {**request["env"], **group["env"], "RANK": str(rank), "LOCAL_RANK": str(rank), "GROUP_RANK": "0",
+                   "ROLE_RANK": str(rank), "ROLE_NAME": "default", "LOCAL_WORLD_SIZE": str(nproc),
+                   "WORLD_SIZE": str(nproc), "GROUP_WORLD_SIZE": "1", "ROLE_WORLD_SIZE": str(nproc),
+                   "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "TORCHELASTIC_RESTART_COUNT": "0",
+                   "TORCHELASTIC_MAX_RESTARTS": "0", "TORCHELASTIC_RUN_ID": "none",
+                   "TORCHELASTIC_USE_AGENT_STORE": "False"}
+            pid = os.fork()
+            if pid == 0:
+                if group["log"]:
+                    _redirect(group["log"], group["log"])
+                _become(request["args"], env)
+            ranks[pid] = (f"group {g} " if len(groups) > 1 else "") + f"rank {rank}"
     failed = False
     while ranks:
         pid, status = os.wait()
         rank, code = ranks.pop(pid), os.waitstatus_to_exitcode(status)
         if code != 0 and not failed:
             failed = True
-            print(f"[fork launcher] rank {rank} exited with {code}: stopping the other ranks", file=sys.stderr,
+            print(f"[fork launcher] {rank} exited with {code}: stopping the other ranks", file=sys.stderr,
                   flush=True)
             for other in ranks:
                 os.kill(other, signal.SIGTERM)

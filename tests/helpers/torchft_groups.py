@@ -1,5 +1,7 @@
 """Launching a torchft job on this machine: ``lightning-hybrid lighthouse`` and one torchrun per replica group of
-``tests/torchft_worker.py``. Shared by ``tests/test_torchft.py`` and ``benchmarks/recovery.py --torchft``."""
+``tests/torchft_worker.py``, or, where no group is restarted (nothing of torchrun's agent is used), the groups' ranks
+forked side by side from the tests' fork server (:meth:`helpers.fork_server.ForkServer.launch_groups`). Shared by
+``tests/test_torchft.py`` and ``benchmarks/recovery.py --torchft``."""
 
 from __future__ import annotations
 
@@ -57,13 +59,21 @@ def _logs(out: Path) -> str:
 
 
 def run_groups(out: Path, nproc: int, extra: dict, min_replicas: int, timeout: float, max_restarts: int = 0,
-               groups: int = 2, join_timeout_ms: int = 10_000) -> dict:
+               groups: int = 2, join_timeout_ms: int = 10_000, fork: bool = False) -> dict:
     """Run ``groups`` replica groups of ``nproc`` processes each against a new lighthouse; return every rank's record
-    (``{"<group>_<rank>": ...}``), plus ``killed_at`` / ``restarted`` (times) when the worker left them."""
+    (``{"<group>_<rank>": ...}``), plus ``killed_at`` / ``restarted`` (times) when the worker left them.
+
+    ``fork``: the groups' ranks are forked from the fork server instead of started by a torchrun each (only without
+    restarts: restarting a group is torchrun's agent's job)."""
+    if fork and max_restarts:
+        raise ValueError(f"max_restarts={max_restarts} needs torchrun's agent: fork=False")
     out.mkdir(parents=True, exist_ok=True)
     lighthouse = Lighthouse(min_replicas, join_timeout_ms)
     procs = []
     try:
+        if fork:
+            _fork_groups(out, nproc, extra, lighthouse.address, groups, timeout)
+            return _records(out)
         for g in range(groups):
             env = _env({"OUT": out, "REPLICA_GROUP_ID": g, "NUM_REPLICA_GROUPS": groups,
                         "TORCHFT_LIGHTHOUSE": lighthouse.address, **extra})
@@ -83,6 +93,20 @@ def run_groups(out: Path, nproc: int, extra: dict, min_replicas: int, timeout: f
         for proc in procs:
             kill_process_group(proc)
         lighthouse.stop()
+    return _records(out)
+
+
+def _fork_groups(out: Path, nproc: int, extra: dict, lighthouse: str, groups: int, timeout: float) -> None:
+    from helpers.fork_server import fork_server
+
+    envs = [{"REPLICA_GROUP_ID": str(g), "NUM_REPLICA_GROUPS": str(groups)} for g in range(groups)]
+    result = fork_server().launch_groups(nproc, [str(WORKER)], _env({"OUT": out, "TORCHFT_LIGHTHOUSE": lighthouse,
+                                                                      **extra}),
+                                         envs, [out / f"group{g}.log" for g in range(groups)], timeout=timeout)
+    assert result.returncode == 0, f"replica groups failed:\n{result.stderr[-2000:]}\n" + _logs(out)
+
+
+def _records(out: Path) -> dict:
     records = {p.stem: torch.load(p, weights_only=False) for p in out.glob("*_*.pt")}
     for mark in ("killed_at", "restarted"):
         if (out / mark).exists():
