@@ -6,7 +6,7 @@ import lightning as L
 import pytest
 
 from helpers.equivalence import make_dataset
-from helpers.launch import torchrun
+from helpers.launch import launch
 from lightning_hybrid import HybridParallelStrategy
 from lightning_hybrid.distributed.parallel_dims import ParallelDims
 from lightning_hybrid.models import CausalLM
@@ -83,8 +83,8 @@ def test_indivisible_kv_heads_fail_on_every_rank_without_hanging(tmp_path):
         "except ValueError as err:\n"
         "    import os, pathlib, time\n"
         "    print(f'rank {os.environ[\"RANK\"]}: {err}', flush=True)\n"
-        "    # torchrun stops every other worker the moment one exits: wait (bounded) until each rank reached the\n"
-        "    # error on its own, so that a rank still starting up is not killed before it gets there\n"
+        "    # the launcher stops every other rank the moment one exits, as torchrun does: wait (bounded) until\n"
+        "    # each rank reached the error on its own, so that a rank still starting up is not killed first\n"
         f"    marks = pathlib.Path({str(tmp_path / 'marks')!r}); marks.mkdir(exist_ok=True)\n"
         "    (marks / os.environ['RANK']).touch()\n"
         "    deadline = time.monotonic() + 60\n"
@@ -92,7 +92,7 @@ def test_indivisible_kv_heads_fail_on_every_rank_without_hanging(tmp_path):
         "        time.sleep(0.05)\n"
         "    raise SystemExit(3)\n"
     )
-    result = torchrun(2, [str(script)], timeout=150, check=False)
+    result = launch(2, [str(script)], timeout=150, check=False)
     assert result.returncode != 0
     for rank in (0, 1):
         message = f"rank {rank}: tp=2 does not divide num_key_value_heads=1; use tp in 1"
