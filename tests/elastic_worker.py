@@ -28,6 +28,7 @@ import torch.distributed as dist
 
 from helpers.equivalence import GLOBAL_BATCH, SEED, make_dataset, make_trainer_kwargs, tiny_config
 from helpers.gather import full_weights
+from helpers.settle import SettleSaves
 from helpers.worker_exit import end_worker
 from lightning_hybrid import FaultTolerantCheckpoint, HybridParallelStrategy
 from lightning_hybrid.models import CausalLM
@@ -62,6 +63,10 @@ class Faults(L.Callback):
     def __init__(self, out: Path) -> None:
         self.out = out
         self.faults = [tuple(f.split(":")) for f in env("FAULTS").split(",") if f]
+
+    def injects_at(self, step: int) -> bool:
+        """This attempt injects a fault right after ``step``."""
+        return any(int(attempt) == ATTEMPT and int(at) == step for attempt, at, _, _ in self.faults)
 
     def _mark(self, trainer, what: str) -> None:
         (self.out / f"{what}_{ATTEMPT}_rank{trainer.global_rank}").write_text(str(time.time()))
@@ -108,25 +113,6 @@ class Faults(L.Callback):
                 f.write(json.dumps({"step": trainer.global_step, "start": time.time()}) + "\n")
 
 
-class SettleSaves(L.Callback):
-    """At a step where this attempt injects a fault, every rank first waits for its own background write of the
-    previous save to finish. Placed before ``FaultTolerantCheckpoint``, whose hook at that step then commits it:
-    the checkpoint a test expects the restart to resume from is committed whatever the machine's load. (The callback
-    commits a finished write at the next step end, when every rank reports it done; under load a write can take
-    longer than a step, and the resume point would be a race.)"""
-
-    def __init__(self, checkpoint: FaultTolerantCheckpoint, faults: Faults) -> None:
-        self.checkpoint, self.faults = checkpoint, faults
-
-    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
-        if not any(int(attempt) == ATTEMPT and int(at) == trainer.global_step
-                   for attempt, at, _, _ in self.faults.faults):
-            return
-        pending, deadline = self.checkpoint._pending, time.monotonic() + 120
-        while pending is not None and not pending.ready() and time.monotonic() < deadline:
-            time.sleep(0.01)
-
-
 def _is(who: str, rank: int) -> bool:
     """``who`` is a global rank, or ``node<TAG>``: local rank 0 of the node started with NODE_TAG=TAG."""
     if who.startswith("node"):
@@ -160,7 +146,7 @@ def main() -> None:
     strategy = HybridParallelStrategy(tp=tp, pp=pp, hang_timeout=hang, timeout=timedelta(seconds=300))
     faults = Faults(out)
     trainer = L.Trainer(strategy=strategy, devices=local, num_nodes=world // local,
-                        callbacks=[SettleSaves(checkpoint, faults), checkpoint, faults], **kwargs)
+                        callbacks=[SettleSaves(checkpoint, faults.injects_at), checkpoint, faults], **kwargs)
     module = CausalLM(tiny_config(), **make_trainer_kwargs()["module"])
     train, val = make_dataset(GLOBAL_BATCH // dp)
     trainer.fit(module, train_dataloaders=train, val_dataloaders=val if val_batches else None)

@@ -1,8 +1,9 @@
 """Training under FaultTolerantCheckpoint for the fault-tolerance tests (launched with torchrun). Environment: OUT
 (folder for results), CKPT (checkpoint folder), STEPS, EVERY (save interval), ASYNC (0/1), KILL_AT (step at which
-KILL_RANK SIGKILLs itself, right after that step's save started), KILL_ONLY_FIRST_ATTEMPT (1: only when torchrun's
-restart count is 0), SIGTERM_AT (every rank sends itself SIGTERM at that step), SLOW_WRITER_RANK (that rank's
-background writer pauses 2 s before its first collective), TP, PP. FILL_DISK_AT (rank 0 fills the checkpoint file
+KILL_RANK SIGKILLs itself, right after that step's save started; the previous save committed first, whatever the
+load: helpers.settle), KILL_ONLY_FIRST_ATTEMPT (1: only when torchrun's restart count is 0), SIGTERM_AT (every
+rank sends itself SIGTERM at that step), SLOW_WRITER_RANK (that rank's background writer pauses 2 s before its first
+collective), TP, PP. FILL_DISK_AT (rank 0 fills the checkpoint file
 system after that step, before the next step's save, leaving FILL_DISK_LEAVE bytes), FREE_DISK_AT (rank 0 waits for
 the pending save to end after that step, then frees the space again), FAIL_LIKE_DCP_AT (every rank's DCP file writer
 raises ENOSPC for that step's checkpoint, where no file system can be mounted), ASYNC_WRITER (thread or process).
@@ -22,6 +23,7 @@ import torch.distributed as dist
 
 from helpers.equivalence import GLOBAL_BATCH, SEED, make_dataset, make_trainer_kwargs, tiny_config
 from helpers.gather import full_weights
+from helpers.settle import SettleSaves
 from helpers.worker_exit import end_worker
 from lightning_hybrid import FaultTolerantCheckpoint, HybridParallelStrategy
 from lightning_hybrid.models import CausalLM
@@ -180,7 +182,8 @@ def main() -> None:
 
     timeout = timedelta(seconds=int(env("COLLECTIVE_TIMEOUT", "1800")))
     trainer = L.Trainer(strategy=HybridParallelStrategy(tp=tp, pp=pp, timeout=timeout), devices=world,
-                        callbacks=[checkpoint, Faults(out)], **kwargs)
+                        callbacks=[SettleSaves(checkpoint, lambda step: step == int(env("KILL_AT", "0"))), checkpoint,
+                                   Faults(out)], **kwargs)
     module = CausalLM(tiny_config(), **make_trainer_kwargs()["module"])
     train, _ = make_dataset(GLOBAL_BATCH // dp)
     trainer.fit(module, train_dataloaders=train)

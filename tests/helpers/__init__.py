@@ -5,6 +5,7 @@
 - :mod:`helpers.compare`: tensors and training records compared with each other and with the one-process reference.
 - :mod:`helpers.equivalence`: the fixed problem every equivalence test trains and its one-process reference run.
 - :mod:`helpers.gather`: inside a launched worker, objects and full weights gathered from every rank.
+- :mod:`helpers.settle`: inside a launched worker, the previous save committed before an injected fault.
 
 ``tests/conftest.py`` puts the tests folder on ``sys.path``; workers started by :func:`helpers.launch.torchrun`
 find it through the ``PYTHONPATH`` the launcher sets. The worker scripts themselves (``dist_worker.py``,
