@@ -23,7 +23,7 @@ import torch.distributed as dist
 
 from helpers.equivalence import GLOBAL_BATCH, SEED, make_dataset, make_trainer_kwargs, tiny_config
 from helpers.gather import full_weights
-from helpers.settle import SettleSaves
+from helpers.settle import SettleSaves, wait_for_pending_write
 from helpers.worker_exit import end_worker
 from lightning_hybrid import FaultTolerantCheckpoint, HybridParallelStrategy
 from lightning_hybrid.models import CausalLM
@@ -44,9 +44,7 @@ class Faults(L.Callback):
             fill_disk(_ballast(), leave=int(env("FILL_DISK_LEAVE", "0")))
         if int(env("FREE_DISK_AT", "0")) == step:
             checkpoint = next(c for c in trainer.callbacks if isinstance(c, FaultTolerantCheckpoint))
-            deadline = time.monotonic() + 60
-            while checkpoint._pending is not None and not checkpoint._pending.ready() and time.monotonic() < deadline:
-                time.sleep(0.05)  # the failing background write of the previous save ends first
+            wait_for_pending_write(checkpoint, 60)  # the failing background write of the previous save ends first
             if trainer.global_rank == 0:
                 _ballast().unlink()
 
@@ -63,8 +61,6 @@ class Faults(L.Callback):
             if trainer.global_rank == 0:
                 torch.save(weights, self.out / f"weights_step{step}.pt")
         if int(env("STALL_AT", "0")) == step and trainer.global_rank == int(env("STALL_RANK", "1")):
-            import time
-
             # torchrun's SIGTERM (sent once the survivors failed) ends it at once; FaultTolerantCheckpoint's handler
             # would only note it and torchrun wait out its 30 s grace period before SIGKILL. The test is the survivors'.
             signal.signal(signal.SIGTERM, signal.SIG_DFL)
@@ -150,7 +146,6 @@ def slow_down_background_writer() -> None:
     if env("SLOW_WRITER_RANK") == "" or int(env("RANK")) != int(env("SLOW_WRITER_RANK")):
         return
     import threading
-    import time
 
     from torch.distributed.checkpoint.filesystem import FileSystemWriter
 

@@ -14,7 +14,14 @@ import lightning as L
 
 from lightning_hybrid import FaultTolerantCheckpoint
 
-__all__ = ["SettleSaves"]
+__all__ = ["SettleSaves", "wait_for_pending_write"]
+
+
+def wait_for_pending_write(checkpoint: FaultTolerantCheckpoint, seconds: float) -> None:
+    """Wait (``seconds`` at most) for this rank's background write of ``checkpoint``'s previous save to end."""
+    pending, deadline = checkpoint._pending, time.monotonic() + seconds
+    while pending is not None and not pending.ready() and time.monotonic() < deadline:
+        time.sleep(0.01)
 
 
 class SettleSaves(L.Callback):
@@ -30,6 +37,4 @@ class SettleSaves(L.Callback):
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
         if not self.at(trainer.global_step):
             return
-        pending, deadline = self.checkpoint._pending, time.monotonic() + 120
-        while pending is not None and not pending.ready() and time.monotonic() < deadline:
-            time.sleep(0.01)
+        wait_for_pending_write(self.checkpoint, 120)
