@@ -291,9 +291,9 @@ def test_torchrun_script_refuses_to_start_on_an_excluded_host_and_says_where_to_
 
 # ----------------------------------------------------------------------------- 4 gloo processes, tp=2 x pp=2
 
-TIMING = [{"name": f"{kind}-{i}", "steps": 10, **({"monitor": {"every_n_steps": 1}, "inject": False}
-                                                  if kind == "inactive" else {})}
-          for i in range(2) for kind in ("plain", "inactive")]
+# The inactive monitor's own cost (no NVML on CPU): its hook's time per step, asserted below. No run without the
+# monitor beside it: step times of two runs on a shared 2-core machine differ by more than the hook could cost.
+TIMING = [{"name": "inactive", "steps": 10, "monitor": {"every_n_steps": 1}, "inject": False}]
 SCENARIOS = [
     # corrected ECC errors on rank 1 (5 from step 3, 12 from step 6), under the threshold of 100: warn, never stop
     {"name": "ecc", "steps": 8, "monitor": {"every_n_steps": 1, "on_fault": "stop"},
@@ -382,20 +382,15 @@ def test_warn_mode_finishes_logs_a_finding_once_and_reports_an_xid_between_polls
 @pytest.mark.slow
 @pytest.mark.timeout(600)
 def test_without_nvml_the_monitor_says_why_in_one_line_and_costs_nothing(launch):
-    records = launch["records"]
-    for i in range(2):
-        assert all(not r["active"] and r["inactive_reason"] == "the training device is cpu, not a CUDA GPU"
-                   for r in records[f"inactive-{i}"])
-    assert launch["log"].count("GPU health monitor inactive: the training device is cpu, not a CUDA GPU") == 2
-    hook = [s for i in range(2) for r in records[f"inactive-{i}"] for s in r["hook_seconds"]]
-    assert statistics.median(hook) < 2e-5, statistics.median(hook)  # one attribute test per step
-    plain = [s for i in range(2) for r in records[f"plain-{i}"] for s in r["step_seconds"][2:]]
-    inactive = [s for i in range(2) for r in records[f"inactive-{i}"] for s in r["step_seconds"][2:]]
-    ratio = statistics.median(inactive) / statistics.median(plain)
-    print(f"inactive/plain median step time: {ratio:.3f} ({statistics.median(inactive):.4f} s / "
-          f"{statistics.median(plain):.4f} s); inactive hook {statistics.median(hook) * 1e6:.2f} us")
-    # No bound on the ratio: step times of two runs on a shared 2-core machine differ by more than the hook could
-    # (1.65 under tests/stress.py's load); the hook's own median above is the cost, asserted.
+    inactive = launch["records"]["inactive"]
+    assert all(not r["active"] and r["inactive_reason"] == "the training device is cpu, not a CUDA GPU"
+               for r in inactive)
+    assert launch["log"].count("GPU health monitor inactive: the training device is cpu, not a CUDA GPU") == 1
+    hook = [s for r in inactive for s in r["hook_seconds"]]
+    assert len(hook) == 4 * 10 and statistics.median(hook) < 2e-5, statistics.median(hook)  # one attribute test
+    step = statistics.median([s for r in inactive for s in r["step_seconds"][2:]])
+    print(f"inactive hook: median {statistics.median(hook) * 1e6:.2f} us a step, {statistics.median(hook) / step:.1e} "
+          "of the median step")
 
 
 @pytest.mark.distributed
