@@ -17,10 +17,11 @@ rank's chunk of the gradient: the compiled graph depends on the rank. AOTAutogra
 same on both ranks, and the ranks share inductor's cache folder (``/tmp/torchinductor_<user>`` by default), so a
 rank's second compile loads whichever rank's entry the cache finds: the other rank's chunk flows into the norm in
 front (the gradients of the weights inside the graph stay right). Recompute plays no part (``--cases none,none``
-fails the same way). ``--cache per-rank`` gives each rank its own folder (what ``compile_blocks`` does in a
-distributed job); ``--workaround on`` (the part's ``forward`` compiled, the TP hooks eager at the graph boundary,
-donated buffers off) keeps the rank out of the graph. Prints one line per case; rank 0 exits 1 if any case is wrong
-(relative gradient error > 1e-4). Use a new ``TORCHINDUCTOR_CACHE_DIR`` to start from an empty cache.
+fails the same way). ``--cache per-rank`` gives each rank's graphs cache keys of their own in the shared folder
+(what ``compile_blocks`` does in a distributed job); ``--workaround on`` (the part's ``forward`` compiled, the TP
+hooks eager at the graph boundary, donated buffers off) keeps the rank out of the graph. Prints one line per case;
+rank 0 exits 1 if any case is wrong (relative gradient error > 1e-4). Use a new ``TORCHINDUCTOR_CACHE_DIR`` to start
+from an empty cache.
 """
 
 from __future__ import annotations
@@ -57,13 +58,13 @@ def main() -> int:
     parser.add_argument("--workaround", choices=("on", "off"), default="off")
     parser.add_argument("--cases", default="selective,full", help="recompute modes, comma-separated")
     parser.add_argument("--cache", choices=("shared", "per-rank"), default="shared",
-                        help="inductor's cache folder: torch's default (shared by the ranks) or one per rank")
+                        help="cache keys: torch's default (the same on every rank) or each rank's own")
     args = parser.parse_args()
     dist.init_process_group("gloo")
     tp = dist.get_world_size()
     mesh = init_device_mesh("cpu", (tp,))
     recompute_and_compile.TP_COMPILE_WORKAROUND = args.workaround == "on"
-    recompute_and_compile.PRIVATE_COMPILE_CACHE = args.cache == "per-rank"
+    recompute_and_compile.RANK_COMPILE_CACHE_KEYS = args.cache == "per-rank"
     config = Qwen2Config(**{**Qwen2Config.from_preset("tiny").to_dict(), "name": "tiny"})
     spec = parallel_spec(config)
     torch.manual_seed(0)

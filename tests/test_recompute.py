@@ -139,13 +139,14 @@ def test_attention_recompute_needs_the_attention_submodule(model):
         apply_activation_checkpointing(copy.deepcopy(model).layers, "selective", "attention", None)
 
 
-def test_each_rank_gets_its_own_compile_cache_folder(tmp_path, monkeypatch):
-    import os
+def test_each_rank_gets_cache_keys_of_its_own_beside_the_users_tag(monkeypatch):
+    import torch.compiler.config as compiler_config
 
-    from lightning_hybrid.distributed.activation_checkpoint import rank_private_compile_cache
+    from lightning_hybrid.distributed.activation_checkpoint import rank_compile_cache_key
 
-    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))
-    assert rank_private_compile_cache(3) == str(tmp_path / "rank_3")
-    # A process that inherited a rank's folder (a worker launched from a compiled process) takes its own beside it.
-    assert rank_private_compile_cache(1) == str(tmp_path / "rank_1")
-    assert os.environ["TORCHINDUCTOR_CACHE_DIR"] == str(tmp_path / "rank_1")
+    monkeypatch.setattr(compiler_config, "cache_key_tag", "")
+    assert rank_compile_cache_key(3, 4, "0123abcd") == "lh-rank3of4-0123abcd" == compiler_config.cache_key_tag
+    # a user's own tag stays; a second call (another compile_blocks in the process) replaces only the rank's part
+    monkeypatch.setattr(compiler_config, "cache_key_tag", "experiment-7")
+    assert rank_compile_cache_key(1, 4) == "experiment-7|lh-rank1of4"
+    assert rank_compile_cache_key(2, 8, "ff") == "experiment-7|lh-rank2of8-ff"

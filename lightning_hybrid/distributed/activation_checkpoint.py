@@ -33,7 +33,6 @@ the recompute region is traced into the compiled graph, and before FSDP so FSDP'
 from __future__ import annotations
 
 import functools
-import os
 import re
 import types
 from typing import Any, Callable, Optional, Union
@@ -42,8 +41,8 @@ import torch
 from torch import nn
 
 __all__ = ["ACTIVATION_CHECKPOINTING", "SELECTIVE_AC", "apply_activation_checkpointing", "compile_blocks",
-           "compiled", "recomputed", "resolve_selective", "rank_private_compile_cache", "TP_COMPILE_WORKAROUND",
-           "PRIVATE_COMPILE_CACHE"]
+           "compiled", "recomputed", "resolve_selective", "rank_compile_cache_key", "TP_COMPILE_WORKAROUND",
+           "RANK_COMPILE_CACHE_KEYS"]
 
 ACTIVATION_CHECKPOINTING = ("none", "selective", "full")
 SELECTIVE_AC = ("op", "attention")
@@ -157,32 +156,51 @@ def apply_activation_checkpointing(blocks: nn.ModuleDict, mode: str, selective_a
     return done
 
 
-# Test switch: False leaves inductor's cache folder shared by the ranks of a machine (torch's default), which loads
-# another rank's compiled graph for a TP block (docs/compile-tp-repro.py --cache shared shows it).
-PRIVATE_COMPILE_CACHE = True
-_RANK_FOLDER = re.compile(r"rank_\d+")
+# Test switch: False leaves torch's cache keys as they are, the same on every rank, which loads another rank's compiled
+# graph for a TP block from the cache folder the ranks of a machine share (docs/compile-tp-repro.py --cache shared).
+RANK_COMPILE_CACHE_KEYS = True
+_RANK_TAG = re.compile(r"(^|\|)lh-rank[^|]*")
 
 
-def rank_private_compile_cache(rank: int) -> str:
-    """Give this rank its own folder of inductor's and AOTAutograd's caches (``<cache dir>/rank_<rank>``).
+def _mesh_fingerprint(blocks: nn.Module) -> str:
+    """A short digest of the device mesh of the first DTensor parameter in ``blocks`` (its dimension names and ranks),
+    or ``""``: a rank's compiled TP graph depends on its coordinate in that mesh, not on its rank number alone."""
+    import hashlib
+
+    from torch.distributed.tensor import DTensor
+
+    for param in blocks.parameters():
+        if isinstance(param, DTensor):
+            mesh = param.device_mesh
+            text = f"{mesh.mesh_dim_names}:{mesh.mesh.tolist()}"
+            return hashlib.sha1(text.encode()).hexdigest()[:12]
+    return ""
+
+
+def rank_compile_cache_key(rank: int, world_size: int, mesh: str = "") -> str:
+    """Make this rank's AOTAutograd and inductor graph cache entries its own: ``lh-rank<rank>of<world>[-<mesh>]`` in
+    ``torch.compiler.config.cache_key_tag``, beside any tag the user set (a second call replaces its own part).
 
     On torch 2.13 the AOTAutograd cache key of a graph over DTensors is the same on every rank, but the compiled
     graph can hold the rank's mesh coordinate (the backward of a traced ``Shard -> Replicate`` all-gather takes this
     rank's chunk of the gradient). The ranks of a machine share one cache folder, so a rank's second compile of such
     a graph (a restart, a second run, another block's shape) could load another rank's graph: wrong gradients, no
-    error (docs/performance.md). Kept per rank, the cache still saves the recompile of a restarted job.
+    error (docs/performance.md). The tag enters both keys (AOTAutograd's and inductor's FX graph cache), so every
+    rank finds only its own entries; a restarted job still loads them instead of recompiling.
+
+    The kernel cache stays shared by the ranks of a machine: a kernel's file is named by the hash of its source, and
+    inductor builds each one under a file lock, so one rank compiles it and the others load it (a cache folder per
+    rank compiled every kernel once per rank, and precompiled the C++ headers once per rank).
 
     Returns:
-        The folder now in ``TORCHINDUCTOR_CACHE_DIR``.
+        The tag now in ``torch.compiler.config.cache_key_tag``.
     """
-    from torch._inductor.runtime.cache_dir_utils import cache_dir
+    import torch.compiler.config as compiler_config
 
-    base = cache_dir()
-    if _RANK_FOLDER.fullmatch(os.path.basename(base)):  # already one rank's folder (this process, or its parent)
-        base = os.path.dirname(base)
-    folder = os.path.join(base, f"rank_{rank}")
-    os.environ["TORCHINDUCTOR_CACHE_DIR"] = folder
-    return folder
+    own = f"lh-rank{rank}of{world_size}" + (f"-{mesh}" if mesh else "")
+    others = [part for part in compiler_config.cache_key_tag.split("|") if part and not _RANK_TAG.fullmatch(part)]
+    compiler_config.cache_key_tag = "|".join([*others, own])
+    return compiler_config.cache_key_tag
 
 
 # Test switch: False compiles the TP parts as before the workaround (their call, donated buffers on), which trains
@@ -214,8 +232,9 @@ def compile_blocks(blocks: nn.ModuleDict, parts: Optional[tuple[str, ...]] = Non
       gets a replicated DTensor instead of redistributing its input inside;
     * inductor's donated buffers are off for these graphs (see :func:`_compiled_part_forward`).
 
-    In a distributed job each rank gets its own inductor cache folder (:func:`rank_private_compile_cache`): torch's
-    shared folder lets a rank load another rank's compiled TP graph.
+    In a distributed job each rank's graphs get cache keys of their own (:func:`rank_compile_cache_key`): with
+    torch's keys, the same on every rank, a rank could load another rank's compiled TP graph from the cache folder
+    the ranks of a machine share. The compiled kernels stay shared: each is built once per machine.
 
     A part that is itself recomputed (``selective_ac="attention"``) runs its compiled forward inside the eager
     checkpoint.
@@ -225,8 +244,9 @@ def compile_blocks(blocks: nn.ModuleDict, parts: Optional[tuple[str, ...]] = Non
     """
     import torch.distributed as dist
 
-    if PRIVATE_COMPILE_CACHE and dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
-        rank_private_compile_cache(dist.get_rank())  # compiling is lazy: in place before the first forward
+    if RANK_COMPILE_CACHE_KEYS and dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        # compiling is lazy: the tag is in place before the first forward computes a cache key
+        rank_compile_cache_key(dist.get_rank(), dist.get_world_size(), _mesh_fingerprint(blocks))
     done = []
     compiled_fns: dict[type, Callable[..., Any]] = {}
     for name, block in blocks.items():
