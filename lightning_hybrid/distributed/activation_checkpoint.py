@@ -159,7 +159,7 @@ def apply_activation_checkpointing(blocks: nn.ModuleDict, mode: str, selective_a
 # Test switch: False leaves torch's cache keys as they are, the same on every rank, which loads another rank's compiled
 # graph for a TP block from the cache folder the ranks of a machine share (docs/compile-tp-repro.py --cache shared).
 RANK_COMPILE_CACHE_KEYS = True
-_RANK_TAG = re.compile(r"(^|\|)lh-rank[^|]*")
+_RANK_TAG = re.compile(r"lh-rank[^|]*")  # this module's part of the tag
 
 
 def _mesh_fingerprint(blocks: nn.Module) -> str:
