@@ -47,7 +47,7 @@ def _config(args: argparse.Namespace) -> Any:
 
 def layouts(args: argparse.Namespace) -> list[Any]:
     """The benchmark's layouts: every mesh and dp mode, 2-3 micro-batch counts, recompute none and full."""
-    from lightning_hybrid.distributed.parallelize import ParallelOptions
+    from lightning_hybrid.distributed.options import ParallelOptions
     from lightning_hybrid.planner.auto import TrainingShape, enumerate_layouts
 
     options = ParallelOptions(tp="auto", pp="auto", dp="auto", microbatches="auto", data_parallel="auto",
@@ -109,7 +109,7 @@ def worker(args: argparse.Namespace) -> None:
     dist.init_process_group("gloo")
     mesh = init_device_mesh("cpu", (1, 1, args.processes), mesh_dim_names=("pp", "dp", "tp"))
     preflight = run_preflight(mesh, min_bytes=MiB // 16, max_bytes=4 * MiB, check_health=False).to_dict()
-    from lightning_hybrid.planner.calibrate import measure_cpu
+    from lightning_hybrid.device_speed import measure_cpu
 
     doc = {"preflight": preflight, "results": [], "copy_tbs": measure_cpu()[1], "cores": len(os.sched_getaffinity(0))}
     for lay in json.loads(Path(args.layouts).read_text()):
@@ -153,7 +153,8 @@ def spearman(xs: list[float], ys: list[float]) -> float:
 
 def predict(args: argparse.Namespace, doc: dict) -> list[dict]:
     """Each measured layout with the calibrated planner's predicted step time."""
-    from lightning_hybrid.planner.calibrate import CPU_TIME_MODEL, calibrate_hardware, cpu_hardware, measure_cpu
+    from lightning_hybrid.device_speed import measure_cpu
+    from lightning_hybrid.planner.calibrate import CPU_TIME_MODEL, calibrate_hardware, cpu_hardware
     from lightning_hybrid.planner.search import Layout, Problem, estimate
 
     preflight, measured = doc["preflight"], doc["results"]

@@ -15,17 +15,17 @@ import torch
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
 from lightning.pytorch.strategies import ModelParallelStrategy, StrategyRegistry
 from lightning.pytorch.trainer.states import TrainerFn
-from lightning.pytorch.utilities.model_helpers import is_overridden
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch.optim import Optimizer
 from typing_extensions import override
 
 from lightning_hybrid.checkpoint import sharded
 from lightning_hybrid.data.sampler import batch_size_of, data_position, resumable_dataloader
+from lightning_hybrid.distributed.auto_layout import auto_fields, check_request, resolve_auto
 from lightning_hybrid.distributed.clip_grad import use_global_norm_clipping
 from lightning_hybrid.distributed.context_parallel import shard_batch
-from lightning_hybrid.distributed.data_parallel import all_reducing
-from lightning_hybrid.distributed.declared import parallelize_declared
+from lightning_hybrid.distributed.data_parallel import all_reducing, torch_dtype
+from lightning_hybrid.distributed.declared import declared_model, parallelize_declared
 from lightning_hybrid.distributed.elastic import init_round_process_group
 from lightning_hybrid.distributed.fault_tolerance import (
     ReplicaGroups,
@@ -35,16 +35,18 @@ from lightning_hybrid.distributed.fault_tolerance import (
 )
 from lightning_hybrid.distributed.float8 import precompute_float8_scales
 from lightning_hybrid.distributed.heartbeat import HANG_TIMEOUT, attach_hang_detector, check_hang_timeout
-from lightning_hybrid.distributed.init_weights import move_buffers
-from lightning_hybrid.distributed.parallel_dims import ParallelDims, build_mesh, checkpoint_groups, lightning_mesh
-from lightning_hybrid.distributed.parallelize import ParallelOptions, check_device_options, check_options, require_meta
+from lightning_hybrid.distributed.materialize import move_buffers
+from lightning_hybrid.distributed.mesh import build_mesh, checkpoint_groups, lightning_mesh
+from lightning_hybrid.distributed.options import ParallelOptions
+from lightning_hybrid.distributed.parallel_dims import ParallelDims
+from lightning_hybrid.distributed.parallelize import check_device_options
 from lightning_hybrid.distributed.pipeline.runner import PipelineRunner, report_bubble
 from lightning_hybrid.distributed.pipeline.schedules import PP_SCHEDULES
 from lightning_hybrid.distributed.self_parallel import DataParallelReplicas, replicate_unsynchronized
 from lightning_hybrid.distributed.step_guard import StepGuard
 from lightning_hybrid.distributed.tensor_parallel import full_vocabulary
 from lightning_hybrid.models.spec import ParallelSpec, declared_spec
-from lightning_hybrid.planner.auto_setup import auto_fields, check_strategy_request, resolve_auto
+from lightning_hybrid.preflight.links import PREFLIGHT_MAX_BYTES, run_preflight_or_raise
 
 __all__ = ["HybridParallelStrategy", "PP_SCHEDULES"]
 
@@ -164,15 +166,9 @@ class HybridParallelStrategy(ModelParallelStrategy):
 
     def _validate(self) -> None:
         """All size checks that need no collective; identical on every rank, so every rank raises alike."""
-        module = self.lightning_module
-        self._spec = declared_spec(module)
+        self._spec = declared_spec(self.lightning_module)
         check_device_options(self.options, self.root_device, self._get_process_group_backend())
-        if auto_fields(self.options):  # planned in setup_environment, once the process group exists
-            return check_strategy_request(self)
-        self._dims = check_options(self.options, self.num_nodes * self.num_processes,
-                                   self.num_processes if self.num_nodes > 1 else None, self._spec,
-                                   module.num_blocks() if self._spec is not None else None, self._precision,
-                                   type(module).__name__)
+        self._dims = check_request(self, self._spec, self._precision)  # None: "auto", planned once the group exists
 
     @override
     def setup_environment(self) -> None:
@@ -180,14 +176,12 @@ class HybridParallelStrategy(ModelParallelStrategy):
         init_round_process_group(self._get_process_group_backend(), self._timeout, self.root_device)
         self._setup_distributed()
         if auto_fields(self.options):
-            self.options, self._dims, self.auto_plan = resolve_auto(self)
+            self.options, self._dims, self.auto_plan = resolve_auto(self, self._spec, self._precision, self._timeout)
         self._device_mesh = build_mesh(self.dims, self.root_device.type, self._timeout)
         self.checkpoint_group, self.background_checkpoint_group = checkpoint_groups(self._timeout)
         attach_hang_detector(self.lightning_module.trainer, self.hang_timeout, self.global_rank, self.world_size,
                              self.dims.coordinates(self.global_rank))
         if self.preflight:
-            from lightning_hybrid.preflight.links import PREFLIGHT_MAX_BYTES, run_preflight_or_raise
-
             run_preflight_or_raise(self.device_mesh, PREFLIGHT_MAX_BYTES[self.root_device.type])
         assert self.lightning_module is not None
         # A module that parallelizes itself gets Lightning's 2-D mesh (pp=1); a declared one the 3-D mesh.
@@ -204,15 +198,10 @@ class HybridParallelStrategy(ModelParallelStrategy):
             return None
         assert self.model is not None and self.accelerator is not None
         self.accelerator.setup(trainer)
-        name = type(self.lightning_module).__name__
-        if not is_overridden("configure_model", self.lightning_module):
-            raise TypeError(f"{name} declares parallel_spec() but does not build its model in configure_model()")
-        model = self.lightning_module.model
-        if model is None:
-            raise TypeError(f"{name}.configure_model() did not set `self.model`")
+        model = declared_model(self.lightning_module)
         if model is not self._parallelized:  # a validate/test/predict after fit reuses the model built for fit
-            require_meta(model, name)
-            parallelize_declared(self, model)  # or this rank's pipeline stages; then initialized
+            built = parallelize_declared(self, model, self._spec, self._precision)  # or this rank's stages
+            self.pipeline, self.weight_casts, self._loss_parallel = built  # what it made (a Parallelized)
             self._parallelized = self.lightning_module.model
         if self.pipeline is not None:
             self.pipeline.grad_scale = 1.0 / max(1, trainer.accumulate_grad_batches)
@@ -222,8 +211,10 @@ class HybridParallelStrategy(ModelParallelStrategy):
             self.setup_optimizers(trainer)
         self.setup_precision_plugin()
         use_global_norm_clipping(self.precision_plugin, self.world_size // self.dims.pp)
-        if self.replica_group_env is not None and trainer.state.fn == TrainerFn.FITTING:
-            self.replica_groups = join_replica_groups(self, trainer)  # a group behind a live one heals here
+        if self.replica_group_env is not None and trainer.state.fn == TrainerFn.FITTING:  # behind a live group: heals
+            joined = join_replica_groups(self, trainer, self._get_process_group_backend(), self._timeout, self.pipeline)
+            self.replica_groups, self.healed_from_peer = joined.groups, joined.healed_from_peer
+            self.resume_position = joined.resume_position if joined.healed_from_peer else self.resume_position
 
     @override
     def reduce(self, tensor: Any, group: Optional[Any] = None, reduce_op: Optional[Any] = "mean") -> Any:
@@ -254,11 +245,12 @@ class HybridParallelStrategy(ModelParallelStrategy):
     @override
     def optimizer_step(self, optimizer: Optimizer, closure: Callable[[], Any],
                        model: Optional[Union["pl.LightningModule", torch.nn.Module]] = None, **kwargs: Any) -> Any:
-        if self._spec is not None and self.dims.data_ranks > 1 and self.options.data_parallel == "replicate":
+        reduce_dtype = torch_dtype(self.options.reduction_dtype(self._precision))
+        if self._spec is not None and self.options.replicates_gradients(self.dims):
             closure = all_reducing(closure, self.lightning_module.model, self.device_mesh["dp_cp"].get_group(),
-                                   self.dims.data_ranks, self.options.reduction_dtype(self._precision))
+                                   self.dims.data_ranks, reduce_dtype)
         if self._replicas is not None:
-            closure = self._replicas.all_reducing(closure, self.options.reduction_dtype(self._precision))
+            closure = self._replicas.all_reducing(closure, reduce_dtype)
         if self.replica_groups is not None:  # gradients averaged over the groups, then torchft's commit verdict
             closure = self.replica_groups.committing(closure, self.lightning_module, self.step_guard)
         with self.step_guard.guarding(optimizer):
@@ -278,6 +270,10 @@ class HybridParallelStrategy(ModelParallelStrategy):
     def skip_next_optimizer_step(self) -> None:
         """Compute this step's gradients but apply nothing (weights and optimizer state stay); every rank must ask."""
         self.step_guard.skip_next()
+
+    def enable_step_skips(self) -> None:
+        """Guard every optimizer step from now on, so that :meth:`skip_next_optimizer_step` can skip one."""
+        self.step_guard.active = True
 
     @override
     def on_train_end(self) -> None:

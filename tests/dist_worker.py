@@ -65,7 +65,7 @@ def _fit(config: dict, kind: str, trainer_extra: dict, callbacks: list, ckpt_pat
     if max_steps is not None:
         kwargs["max_steps"] = max_steps
     trainer = L.Trainer(strategy=HybridParallelStrategy(**config), devices=world, callbacks=callbacks, **kwargs)
-    from lightning_hybrid.distributed.parallelize import AUTO_FIELDS
+    from lightning_hybrid.distributed.options import AUTO_FIELDS
 
     # The planner picks dp: a datamodule keeps the global batch; the resume is announced before fit so the manifest's
     # layout is kept.
@@ -128,7 +128,7 @@ def applied_switches(model: torch.nn.Module, pipeline=None) -> dict:
     gathered at the end (after the last evaluation). A pipeline's stage modules (the FSDP2 roots there) are
     named ``stage<i>``."""
     from lightning_hybrid.distributed.activation_checkpoint import compiled, recomputed
-    from lightning_hybrid.distributed.init_weights import canonical_name
+    from lightning_hybrid.init_weights import canonical_name
 
     local = {"recomputed": {}, "compiled": [], "mp_policy": [], "param_dtypes": [], "reshard_after_forward": {},
              "gathered": []}
@@ -175,7 +175,7 @@ def optimizer_state(module: L.LightningModule) -> dict[str, torch.Tensor]:
     """Full AdamW states by global parameter name (gathered like the weights)."""
     from torch.distributed.tensor import DTensor
 
-    from lightning_hybrid.distributed.init_weights import canonical_name
+    from lightning_hybrid.init_weights import canonical_name
 
     optimizer = module.trainer.optimizers[0] if module.trainer.optimizers else None
     local = {}

@@ -212,7 +212,7 @@ def mesh_and_timeouts(out: Path) -> dict[str, Any]:
     """Lightning's 2-D mesh with dp=2 x tp=2; the timeout of every group. Runs first: it creates the default group."""
     from torch.distributed.device_mesh import init_device_mesh
 
-    from lightning_hybrid.distributed.parallel_dims import lightning_mesh
+    from lightning_hybrid.distributed.mesh import lightning_mesh
 
     module = UserModule()
     strategy = HybridParallelStrategy(data_parallel_size=2, tensor_parallel_size=2, timeout=TIMEOUT)

@@ -20,8 +20,8 @@ from torch.utils.data import DataLoader, TensorDataset
 from helpers.gather import first_prediction, gather_objects
 from helpers.worker_exit import end_worker
 from lightning_hybrid import HybridParallelStrategy
-from lightning_hybrid.distributed.init_weights import local_region
 from lightning_hybrid.distributed.tensor_parallel import full_vocabulary
+from lightning_hybrid.init_weights import local_region
 from lightning_hybrid.models import CausalLM, Qwen2Config
 from lightning_hybrid.models.qwen2 import hf
 

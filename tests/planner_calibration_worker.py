@@ -19,7 +19,8 @@ from torch.distributed.tensor import DTensor
 
 from helpers.worker_exit import end_worker
 from lightning_hybrid.distributed.data_parallel import apply_fsdp
-from lightning_hybrid.distributed.parallel_dims import ParallelDims, build_mesh
+from lightning_hybrid.distributed.mesh import build_mesh
+from lightning_hybrid.distributed.parallel_dims import ParallelDims
 from lightning_hybrid.distributed.pipeline.schedules import stage_ids_for_rank
 from lightning_hybrid.distributed.pipeline.split import build_stages, plan_stages
 from lightning_hybrid.distributed.tensor_parallel import apply_tensor_parallel

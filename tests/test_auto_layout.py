@@ -11,7 +11,7 @@ from user_module import UserTPModule
 from helpers.compare import TOL, assert_trains_like
 from helpers.launch import run_workers
 from lightning_hybrid import HybridParallelStrategy
-from lightning_hybrid.distributed.parallelize import ParallelOptions
+from lightning_hybrid.distributed.options import ParallelOptions
 from lightning_hybrid.models import CausalLM, Qwen2Config
 from lightning_hybrid.planner.auto import TrainingShape, apply_layout, check_auto_request, plan_layout
 from lightning_hybrid.planner.calibrate import calibrate_hardware, cpu_gpu_entry

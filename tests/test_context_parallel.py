@@ -14,8 +14,8 @@ from lightning_hybrid.distributed.context_parallel import (
     sequence_positions,
     shard_sequences,
 )
+from lightning_hybrid.distributed.options import ParallelOptions, check_options
 from lightning_hybrid.distributed.parallel_dims import ParallelDims
-from lightning_hybrid.distributed.parallelize import ParallelOptions, check_options
 from lightning_hybrid.models import Qwen2Config
 from lightning_hybrid.models.qwen2.config import parallel_spec
 
@@ -195,7 +195,8 @@ MESH_PROBE = """
 import json, sys
 import torch.distributed as dist
 from torch.testing._internal.distributed.fake_pg import FakeStore
-from lightning_hybrid.distributed.parallel_dims import ParallelDims, build_mesh, data_mesh
+from lightning_hybrid.distributed.parallel_dims import ParallelDims
+from lightning_hybrid.distributed.mesh import build_mesh, data_mesh
 rank = int(sys.argv[1])
 dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=32)
 dims = ParallelDims.resolve(tp=2, pp=2, dp=None, world_size=32, cp=2, dp_shard=2)

@@ -47,7 +47,7 @@ class LocalCounts(L.Callback):
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
         from lightning_hybrid.callbacks.throughput import training_state_bytes
-        from lightning_hybrid.distributed.init_weights import canonical_name
+        from lightning_hybrid.init_weights import canonical_name
 
         local = local_tensor
         params = list(pl_module.model.parameters())

@@ -139,7 +139,7 @@ def test_loss_is_mean_over_label_tokens_ignoring_minus_100():
 
 
 def test_initialization_is_the_same_for_a_shard_and_the_full_tensor():
-    from lightning_hybrid.distributed.init_weights import fill_normal_region
+    from lightning_hybrid.init_weights import fill_normal_region
 
     full = torch.empty(300, 7000)  # several row blocks of the generator
     fill_normal_region(full, (300, 7000), (0, 0), 0.02, seed=3, name="w")

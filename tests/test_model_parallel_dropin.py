@@ -23,7 +23,8 @@ import torch
 from helpers.launch import TESTS, launch
 from lightning_hybrid import HybridParallelStrategy
 from lightning_hybrid.data.sampler import batch_size_of
-from lightning_hybrid.distributed.parallel_dims import ParallelDims, lightning_mesh
+from lightning_hybrid.distributed.mesh import lightning_mesh
+from lightning_hybrid.distributed.parallel_dims import ParallelDims
 
 WORLD = 4
 TIMEOUT_S = 97.0  # dropin_worker.TIMEOUT

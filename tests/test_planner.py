@@ -36,14 +36,10 @@ def test_the_block_work_memo_equals_the_computation_for_every_candidate_of_a_sea
     # the memo is keyed by the layout fields the block's work reads; a field read but left out of the key would give
     # some candidate another's figures: every candidate of a search (all tp, pp, dp modes, micro-batch sizes,
     # schedules, recompute and sequence parallel choices, cp) is checked against a fresh computation
-    from lightning_hybrid.planner.search import (
-        _block_work,
-        _compute_block_work,
-        _layout_shape,
-        candidates,
-        context_sizes,
-        meshes,
-    )
+    from lightning_hybrid.planner.cost import _block_work, _compute_block_work
+    from lightning_hybrid.planner.layout import context_sizes
+    from lightning_hybrid.planner.layout_memory import layout_shape as _layout_shape
+    from lightning_hybrid.planner.search import candidates, meshes
 
     p = problem("--model qwen2.5-7b --gpus 16 --gpus-per-node 8 --gpu h100 --seq-len 8192".split())
     seen = set()

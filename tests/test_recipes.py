@@ -59,7 +59,7 @@ RECIPE_KEY = "__recipe__"
 def resolve_auto(config: dict[str, Any], gpu: Optional[str] = None, gpus: Optional[int] = None) -> dict[str, Any]:
     """The strategy arguments of an auto recipe as the strategy resolves them for its planner question (or for
     ``gpus`` x ``gpu``): what ``HybridParallelStrategy`` does at setup, without the devices."""
-    from lightning_hybrid.distributed.parallelize import ParallelOptions
+    from lightning_hybrid.distributed.options import ParallelOptions
     from lightning_hybrid.hardware import SYSTEM_GPUS
     from lightning_hybrid.planner.auto import TrainingShape, apply_layout, plan_layout
 
@@ -81,7 +81,7 @@ def resolve_auto(config: dict[str, Any], gpu: Optional[str] = None, gpus: Option
 def strategy_args(config: dict[str, Any]) -> dict[str, Any]:
     """The recipe's strategy arguments, with "auto" resolved as the strategy would."""
     args = config["trainer"]["strategy"]["init_args"]
-    from lightning_hybrid.distributed.parallelize import AUTO_FIELDS
+    from lightning_hybrid.distributed.options import AUTO_FIELDS
 
     planned = any(args.get(name) == "auto" for name in AUTO_FIELDS)  # not fsdp_reshard_after_forward's "auto"
     return resolve_auto(config) if planned else args

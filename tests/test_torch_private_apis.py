@@ -8,9 +8,9 @@ Wrappers (in ``lightning_hybrid.distributed``) and the private APIs they use:
 - ``pipeline.runner.forward_only_order``: ``torch.distributed.pipelining.schedules._Action``, ``_ComputationType``,
   ``_add_send_recv``, ``_add_unshard_reshard``; a V schedule's ``pipeline_order_with_comms``,
   ``stage_index_to_group_rank`` and ``_num_stages``;
-- ``parallel_dims._group_timeout``: ``torch.distributed.distributed_c10d.default_pg_timeout`` and
+- ``mesh._group_timeout``: ``torch.distributed.distributed_c10d.default_pg_timeout`` and
   ``default_pg_nccl_timeout``, read by ``new_group`` when DeviceMesh creates its groups;
-- ``parallel_dims._flatten_groups``: ``DeviceMesh._flatten`` (the dp x cp, HSDP and Lightning names of the mesh);
+- ``mesh._flatten_groups``: ``DeviceMesh._flatten`` (the dp x cp, HSDP and Lightning names of the mesh);
 - ``clip_grad.use_global_norm_clipping``: Lightning's ``Precision.clip_gradients(optimizer, val, "norm")`` calling
   ``self.clip_grad_by_norm(optimizer, val)``;
 - ``clip_grad._is_split``: ``torch.distributed.tensor.placement_types._StridedShard``;
@@ -21,7 +21,7 @@ Wrappers (in ``lightning_hybrid.distributed``) and the private APIs they use:
   counts the epoch's batches) and its state-dict key ``epoch_loop.batch_progress``;
 - ``checkpoint.storage.storage_writer`` / ``storage_reader``: ``torch.distributed.checkpoint._fsspec_filesystem``'s
   ``FsspecWriter`` and ``FsspecReader`` (a path and fsspec's storage options as keywords);
-- ``lightning_hybrid.planner.auto_setup._data``: Lightning's ``trainer.fit_loop._data_source.instance`` (the
+- ``lightning_hybrid.distributed.auto_layout._data``: Lightning's ``trainer.fit_loop._data_source.instance`` (the
   DataLoader given to ``fit``, before Lightning sets it up), read by the auto layout.
 
 Wrappers in ``lightning_hybrid.dryrun`` (the dry run on the fake process group):
@@ -58,11 +58,11 @@ import torch.distributed as dist
 from lightning_hybrid.launch.torchrun import free_port
 
 FORWARD_ONLY_ORDER = "lightning_hybrid.distributed.pipeline.runner.forward_only_order"
-GROUP_TIMEOUT = "lightning_hybrid.distributed.parallel_dims._group_timeout"
-LIGHTNING_NAMES = "lightning_hybrid.distributed.parallel_dims._flatten_groups"
+GROUP_TIMEOUT = "lightning_hybrid.distributed.mesh._group_timeout"
+LIGHTNING_NAMES = "lightning_hybrid.distributed.mesh._flatten_groups"
 GLOBAL_NORM_CLIPPING = "lightning_hybrid.distributed.clip_grad.use_global_norm_clipping"
 IS_SPLIT = "lightning_hybrid.distributed.clip_grad._is_split"
-LOCAL_REGION = "lightning_hybrid.distributed.init_weights.local_region"
+LOCAL_REGION = "lightning_hybrid.init_weights.local_region"
 RESTORE_COUNTERS = "lightning_hybrid.callbacks.rollback._restore_counters"
 REWIND = "lightning_hybrid.callbacks.rollback._rewind"
 FSSPEC_WRITER = "lightning_hybrid.checkpoint.storage.storage_writer"
@@ -293,7 +293,8 @@ def test_groups_created_inside_group_timeout_get_its_timeout(gloo_world):
 
 
 def test_device_mesh_answers_to_lightning_dimension_names(gloo_world):
-    from lightning_hybrid.distributed.parallel_dims import ParallelDims, build_mesh
+    from lightning_hybrid.distributed.mesh import build_mesh
+    from lightning_hybrid.distributed.parallel_dims import ParallelDims
 
     flatten = getattr(private("torch.distributed.device_mesh", "DeviceMesh", LIGHTNING_NAMES), "_flatten", None)
     assert flatten is not None, broken(LIGHTNING_NAMES, "DeviceMesh._flatten is gone")
@@ -374,11 +375,11 @@ def test_the_fit_loop_keeps_a_data_fetcher_that_iter_restarts_and_counts_fetched
     assert fetcher.done, broken(REWIND, "the fetcher does not end the epoch at fetched == length")
 
 
-AUTO_DATA = "lightning_hybrid.planner.auto_setup._data"
+AUTO_DATA = "lightning_hybrid.distributed.auto_layout._data"
 
 
 def test_fit_loop_data_source_holds_the_dataloader_given_to_fit():
-    from lightning_hybrid.planner.auto_setup import _data
+    from lightning_hybrid.distributed.auto_layout import _data
 
     trainer = lightning.Trainer(accelerator="cpu", devices=1, logger=False, enable_checkpointing=False)
     loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(torch.zeros(4, 8)), batch_size=2)

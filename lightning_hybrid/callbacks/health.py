@@ -182,11 +182,11 @@ class TrainingHealth(pl.Callback):
                                  f"{type(trainer.strategy).__name__}")
             self._hosts = self._hosts or _hostnames()
         guarded = {self.on_nan, self.on_spike, *([self.on_hardware] if self.recheck else [])} - {"warn"}
-        if guarded and not callable(getattr(trainer.strategy, "skip_next_optimizer_step", None)):
+        if guarded and not callable(getattr(trainer.strategy, "enable_step_skips", None)):
             raise ValueError(f"TrainingHealth's {sorted(guarded)[0]!r} policy needs HybridParallelStrategy; "
                              f"{type(trainer.strategy).__name__} cannot skip an optimizer step")
         if guarded:
-            trainer.strategy.step_guard.active = True  # the guard wraps optimizer steps from now on
+            trainer.strategy.enable_step_skips()  # the guard wraps optimizer steps from now on
         self._checkpointer = find_checkpointer(trainer, self)
         if self._checkpointer is None and ("rollback" in guarded or self.on_nan == "skip"):
             rank_zero_warn("TrainingHealth: no FaultTolerantCheckpoint among the callbacks, so a rollback (on_spike="

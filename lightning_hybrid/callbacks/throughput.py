@@ -25,6 +25,7 @@ from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from torch import Tensor
 
 from lightning_hybrid.callbacks.stragglers import StragglerDetector
+from lightning_hybrid.device_speed import matmul_flops
 from lightning_hybrid.hardware import gpu_from_device_name, normalize_dtype
 from lightning_hybrid.models.qwen2.config import flops_per_token
 
@@ -47,14 +48,7 @@ def peak_flops(device_name: str, dtype: str) -> Optional[float]:
 
 @functools.lru_cache(maxsize=None)
 def _cpu_peak(size: int, repeats: int, threads: int) -> float:
-    a, b = torch.randn(size, size), torch.randn(size, size)
-    torch.mm(a, b)  # warm-up: thread pool and caches
-    best = float("inf")
-    for _ in range(repeats):
-        start = time.perf_counter()
-        torch.mm(a, b)
-        best = min(best, time.perf_counter() - start)
-    return 2.0 * size ** 3 / best
+    return matmul_flops(size, repeats, best=True)  # cached per thread count: the threads set the speed
 
 
 def measure_cpu_peak_flops(size: int = 1024, repeats: int = 5) -> float:

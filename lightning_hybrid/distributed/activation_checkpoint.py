@@ -40,32 +40,11 @@ from typing import Any, Callable, Optional, Union
 import torch
 from torch import nn
 
-__all__ = ["ACTIVATION_CHECKPOINTING", "SELECTIVE_AC", "apply_activation_checkpointing", "compile_blocks",
-           "compiled", "recomputed", "resolve_selective", "rank_compile_cache_key", "TP_COMPILE_WORKAROUND",
+from lightning_hybrid.distributed.options import ACTIVATION_CHECKPOINTING, resolve_selective
+
+__all__ = ["apply_activation_checkpointing", "compile_blocks", "compiled", "recomputed", "rank_compile_cache_key",
+           "TP_COMPILE_WORKAROUND",
            "RANK_COMPILE_CACHE_KEYS"]
-
-ACTIVATION_CHECKPOINTING = ("none", "selective", "full")
-SELECTIVE_AC = ("op", "attention")
-
-
-def resolve_selective(value: Union[str, int]) -> Union[str, int]:
-    """``"op"``, ``"attention"`` or a positive block stride ``k`` (also given as a digit string, e.g. from YAML).
-
-    Raises:
-        ValueError: anything else.
-    """
-    if isinstance(value, bool):
-        raise ValueError(f"selective_ac={value!r} is not a mode; use one of {SELECTIVE_AC} or a block stride k >= 1")
-    if isinstance(value, int) or (isinstance(value, str) and value.strip().isdigit()):
-        k = int(value)
-        if k < 1:
-            raise ValueError(f"selective_ac={value!r}: a block stride must be >= 1 (1 recomputes every block)")
-        return k
-    mode = str(value).lower()
-    if mode not in SELECTIVE_AC:
-        raise ValueError(f"selective_ac={value!r} is not a mode; use one of {SELECTIVE_AC} or a block stride k >= 1")
-    return mode
-
 
 def _saved_ops() -> set:
     """Operators whose outputs the ``"op"`` policy keeps: matmuls, attention kernels, collectives."""

@@ -16,7 +16,7 @@ rank's K/V gradients back to it (reduce-scatter; all-reduce on gloo, which has n
 
 Everything else in a block is per token, so the model runs unchanged on the local tokens; RoPE takes the global
 positions of the local tokens from the same core (:meth:`RingAttention.positions`). FSDP shards over dp x cp
-(see :func:`lightning_hybrid.distributed.parallel_dims.build_mesh`), so gradients are averaged over the ranks
+(see :func:`lightning_hybrid.distributed.mesh.build_mesh`), so gradients are averaged over the ranks
 that see different tokens, and the loss scaled by the global label-token count stays the global token mean.
 """
 
@@ -36,7 +36,7 @@ if TYPE_CHECKING:
     from torch.distributed import ProcessGroup
 
 __all__ = ["sequence_positions", "check_sequence_length", "shard_sequences", "shard_batch", "RingAttention",
-           "install_context_parallel", "context_parallel_error"]
+           "install_context_parallel"]
 
 
 def check_sequence_length(seq_len: int, cp: int) -> None:
@@ -198,16 +198,6 @@ class RingAttention(CausalAttention):
         # Recomputed in backward: the (local x global) scores are never kept.
         return checkpoint(_ring_merge, q, k_all, v_all, q_pos.to(q.device), k_pos.to(q.device), self.cp,
                           position_ids, use_reentrant=False)
-
-
-def context_parallel_error(spec: Optional[ParallelSpec], cp: int, module_name: str) -> str:
-    """Why a module cannot run with this cp ('' when it can): cp>1 needs a model that declares its attention core."""
-    if cp == 1:
-        return ""
-    if spec is None or spec.attention_core is None or spec.block_attention is None:
-        return (f"cp={cp} needs a model that declares its attention (ParallelSpec.block_attention and "
-                f"attention_core, see lightning_hybrid.models.CausalLM); {module_name} does not; use cp=1")
-    return ""
 
 
 def install_context_parallel(module: nn.Module, spec: ParallelSpec, group: "ProcessGroup", cp: int,

@@ -16,51 +16,18 @@ from typing import TYPE_CHECKING, Any, Callable, Iterable, Optional
 import torch
 from torch import Tensor, nn
 
+from lightning_hybrid.distributed.options import GRADIENT_BUCKET_BYTES
+
 if TYPE_CHECKING:
     from torch.distributed import ProcessGroup
     from torch.distributed.device_mesh import DeviceMesh
 
-__all__ = ["DATA_PARALLEL_MODES", "GRADIENT_BUCKET_BYTES", "RESHARD_POLICIES", "apply_fsdp", "all_reduce_gradients",
-           "all_reducing", "check_reshard_policy", "reshard_after_forward", "StepWeightCasts", "without_autocast"]
-
-DATA_PARALLEL_MODES = ("fsdp", "replicate", "hsdp")
-# Replicated gradients are all-reduced in buckets of about this size (also the planner's DP message size).
-GRADIENT_BUCKET_BYTES = 25 * 1024 * 1024
-# fsdp_reshard_after_forward: "auto" frees a block's gathered weights after forward without a pipeline (ZeRO-3) and
-# keeps them gathered for the whole step under one (ZeRO-2-like: one all-gather per unit per step, not per micro-batch).
-RESHARD_POLICIES = ("auto", True, False)
+__all__ = ["apply_fsdp", "all_reduce_gradients", "all_reducing", "StepWeightCasts", "torch_dtype", "without_autocast"]
 
 
-def check_reshard_policy(value: Any) -> Any:
-    """``value`` as one of :data:`RESHARD_POLICIES` (``"auto"`` in any case, ``True`` or ``False``).
-
-    Raises:
-        ValueError: naming the value and the accepted ones.
-    """
-    if isinstance(value, str) and value.lower() == "auto":
-        return "auto"
-    if isinstance(value, bool):
-        return value
-    raise ValueError(f"fsdp_reshard_after_forward={value!r} is not supported; use 'auto', True or False")
-
-
-def reshard_after_forward(policy: Any, pp: int, schedule: str, zero_bubble: bool) -> bool:
-    """FSDP2's ``reshard_after_forward`` for the blocks under ``policy`` (:func:`check_reshard_policy`'s answer).
-
-    Under a pipeline torch's schedules keep the units gathered from one backward to the next and reduce-scatter
-    once per step (``PipelineStage.backward_maybe_with_nosync``); resharding after each forward would re-gather
-    every block ``m + 1`` times per step. ``"auto"`` therefore keeps them gathered when ``pp > 1``.
-
-    Raises:
-        ValueError: ``True`` with a zero-bubble schedule, whose separate weight-gradient pass needs the gathered
-            weights (with resharding it trains silently wrong).
-    """
-    if policy == "auto":
-        return pp == 1
-    if policy and zero_bubble and pp > 1:
-        raise ValueError(f"fsdp_reshard_after_forward=True with pp_schedule={schedule!r}: a zero-bubble schedule "
-                         f"needs the gathered weights in its weight-gradient pass; use 'auto' or False")
-    return bool(policy)
+def torch_dtype(name: Optional[str]) -> Optional[torch.dtype]:
+    """torch's dtype of a name the options give (``"bfloat16"``, ``"float32"``), ``None`` for ``None``."""
+    return None if name is None else getattr(torch, name)
 
 
 def apply_fsdp(model: nn.Module, blocks: nn.ModuleDict, dp_mesh: "DeviceMesh", reshard_after_forward: bool = True,

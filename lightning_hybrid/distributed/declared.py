@@ -1,33 +1,121 @@
-"""The declared model (``parallel_spec()``) parallelized, materialized and initialized for one rank of the mesh."""
+"""The declared model (``parallel_spec()``) parallelized, materialized and initialized for one rank of the mesh.
+
+:func:`parallelize_declared` returns what it made (:class:`Parallelized`); the strategy keeps it in its own hooks.
+"""
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any, NamedTuple, Optional, Protocol
 
 from torch import nn
 
-from lightning_hybrid.distributed.init_weights import initialize_declared
-from lightning_hybrid.distributed.parallelize import parallelize, setup_runtime
-from lightning_hybrid.distributed.pipeline.runner import build_pipeline
+from lightning_hybrid.distributed.data_parallel import StepWeightCasts
+from lightning_hybrid.distributed.options import ParallelOptions
+from lightning_hybrid.distributed.parallel_dims import ParallelDims
+from lightning_hybrid.distributed.parallelize import parallelize, require_meta, setup_runtime
+from lightning_hybrid.distributed.pipeline.runner import PipelineRunner, build_pipeline
+from lightning_hybrid.init_weights import init_parameters
+from lightning_hybrid.models.spec import ParallelSpec
 
-__all__ = ["parallelize_declared"]
+if TYPE_CHECKING:
+    import torch
+    from torch.distributed.device_mesh import DeviceMesh
+
+__all__ = ["Parallelized", "DeclaredHost", "declared_model", "parallelize_declared", "initialize_declared"]
 
 
-def parallelize_declared(strategy: Any, model: nn.Module) -> None:
-    """Parallelize and materialize ``model`` (or this rank's pipeline stages) for ``strategy``'s mesh, initialize it
-    mesh-independently from the broadcast seed, then set up the runtime features (bf16 weight copies, loss on
-    vocabulary shards). Sets ``strategy.pipeline`` (pp > 1), ``strategy.weight_casts`` and
-    ``strategy._loss_parallel``; the module's ``model`` becomes the pipeline's container under pp > 1."""
-    module, dims = strategy.lightning_module, strategy.dims
-    args = (strategy.options, dims, strategy.device_mesh)
-    rest = (strategy.root_device, strategy._precision, strategy.precision_plugin.convert_module)
-    seed = strategy.broadcast(module.init_seed())
-    if dims.pp > 1:
-        pp_rank = dims.coordinates(strategy.global_rank)["pp"]
-        strategy.pipeline = build_pipeline(model, strategy._spec, *args, pp_rank, *rest, module.num_blocks())
-        module.model = strategy.pipeline.container
+class Parallelized(NamedTuple):
+    """What parallelizing a declared model made, for the strategy to keep (a tuple: it unpacks in that order).
+
+    Args:
+        pipeline: the pipeline runner (pp > 1), whose container became the module's ``model``; ``None`` for pp=1.
+        weight_casts: the step's bf16 weight copies (``options.compute_weights == "step"``), or ``None``.
+        loss_on_shards: the loss runs on vocabulary shards (``options.loss_on_shards``): predict gathers the logits.
+    """
+
+    pipeline: Optional[PipelineRunner]
+    weight_casts: Optional[StepWeightCasts]
+    loss_on_shards: bool
+
+
+class DeclaredHost(Protocol):
+    """What :func:`parallelize_declared` reads of the strategy: public attributes of a Lightning strategy."""
+
+    options: ParallelOptions
+
+    @property
+    def lightning_module(self) -> Any: ...
+
+    @property
+    def dims(self) -> ParallelDims: ...
+
+    @property
+    def device_mesh(self) -> "DeviceMesh": ...
+
+    @property
+    def root_device(self) -> "torch.device": ...
+
+    @property
+    def precision_plugin(self) -> Any: ...
+
+    @property
+    def global_rank(self) -> int: ...
+
+    def broadcast(self, obj: Any, src: int = 0) -> Any: ...
+
+
+def declared_model(module: Any) -> nn.Module:
+    """The model a declared LightningModule built in ``configure_model`` (its ``model`` attribute).
+
+    Raises:
+        TypeError: the module does not build its model in ``configure_model()``, or did not set ``self.model``.
+    """
+    from lightning.pytorch.utilities.model_helpers import is_overridden
+
+    name = type(module).__name__
+    if not is_overridden("configure_model", module):
+        raise TypeError(f"{name} declares parallel_spec() but does not build its model in configure_model()")
+    if module.model is None:
+        raise TypeError(f"{name}.configure_model() did not set `self.model`")
+    return module.model
+
+
+def initialize_declared(lightning_module: Any, target: nn.Module, declared: nn.Module, seed: int) -> None:
+    """Fill the materialized shards of ``target``: the LightningModule's ``initialize_parameters(target, seed)``
+    if it has one (``CausalLM`` loads pretrained weights there), else the mesh-independent random initialization
+    with the declared model's ``parameter_init`` rule."""
+    hook = getattr(lightning_module, "initialize_parameters", None)
+    if callable(hook):
+        hook(target, seed)
     else:
-        parallelize(model, strategy._spec, *args, *rest)
+        init_parameters(target, seed, declared.parameter_init)
+
+
+def parallelize_declared(host: DeclaredHost, model: nn.Module, spec: ParallelSpec, precision: str) -> Parallelized:
+    """Parallelize and materialize ``model`` (or this rank's pipeline stages) for ``host``'s mesh, initialize it
+    mesh-independently from the broadcast seed, then set up the runtime features (bf16 weight copies, loss on
+    vocabulary shards). The module's ``model`` becomes the pipeline's container under pp > 1.
+
+    Args:
+        host: the strategy (read only: its options, sizes, mesh, device, precision plugin, rank and broadcast).
+        spec: the module's declared parts.
+        precision: the Trainer's precision flag (``"bf16-mixed"``, ...).
+
+    Raises:
+        ValueError: ``model`` has real weights (it must be on the meta device, to be sharded before it is allocated).
+    """
+    module, dims, options = host.lightning_module, host.dims, host.options
+    require_meta(model, type(module).__name__)
+    args = (options, dims, host.device_mesh)
+    rest = (host.root_device, precision, host.precision_plugin.convert_module)
+    seed = host.broadcast(module.init_seed())
+    pipeline = None
+    if dims.pp > 1:
+        pp_rank = dims.coordinates(host.global_rank)["pp"]
+        pipeline = build_pipeline(model, spec, *args, pp_rank, *rest, module.num_blocks())
+        module.model = pipeline.container
+    else:
+        parallelize(model, spec, *args, *rest)
     initialize_declared(module, module.model, model, seed)
-    strategy.weight_casts, strategy._loss_parallel = setup_runtime(strategy.options, dims, strategy._precision,
-                                                                   strategy.precision_plugin, module.model)
+    casts, on_shards = setup_runtime(options, dims, precision, host.precision_plugin, module.model)
+    return Parallelized(pipeline, casts, on_shards)

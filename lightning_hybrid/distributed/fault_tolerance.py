@@ -26,7 +26,7 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import TYPE_CHECKING, Any, Callable, Mapping, Optional
+from typing import TYPE_CHECKING, Any, Callable, Mapping, Optional, Protocol
 
 import torch
 from torch import Tensor
@@ -35,7 +35,8 @@ if TYPE_CHECKING:
     from torch import nn
 
 __all__ = ["FAULT_TOLERANCE", "ENV_GROUP", "ENV_GROUPS", "ENV_LIGHTHOUSE", "ReplicaGroupEnv", "ReplicaGroups",
-           "check_fault_tolerance", "require_torchft", "data_share", "join_replica_groups"]
+           "check_fault_tolerance", "require_torchft", "data_share", "join_replica_groups", "JoinedGroups",
+           "ReplicaGroupMember"]
 
 FAULT_TOLERANCE = ("torchft",)
 ENV_GROUP, ENV_GROUPS, ENV_LIGHTHOUSE = "REPLICA_GROUP_ID", "NUM_REPLICA_GROUPS", "TORCHFT_LIGHTHOUSE"
@@ -349,28 +350,67 @@ def data_share(env: Optional[ReplicaGroupEnv], dp: int, dp_rank: int) -> dict[st
     return {"num_replicas": env.num_groups * dp, "rank": env.group_id * dp + dp_rank}
 
 
-def join_replica_groups(strategy: Any, trainer: Any) -> ReplicaGroups:
-    """Start torchft's manager for ``strategy``'s rank and join the first quorum; a group that is behind a live peer
+class ReplicaGroupMember(Protocol):
+    """What :func:`join_replica_groups` reads of the strategy: its public side."""
+
+    replica_group_env: Optional[ReplicaGroupEnv]
+    ft_timeout: float
+
+    @property
+    def lightning_module(self) -> Any: ...
+
+    @property
+    def optimizers(self) -> list[Any]: ...
+
+    @property
+    def global_rank(self) -> int: ...
+
+    @property
+    def world_size(self) -> int: ...
+
+    def checkpoint_context(self) -> Any: ...
+
+
+@dataclass
+class JoinedGroups:
+    """What joining decided: the groups, whether this group healed from a live peer (a restarted one: its
+    checkpoint callback then does not auto-resume from disk) and the data position the peer gave the sampler."""
+
+    groups: ReplicaGroups
+    healed_from_peer: bool = False
+    resume_position: Optional[dict[str, int]] = None
+
+
+def join_replica_groups(member: ReplicaGroupMember, trainer: Any, backend: str, timeout: Optional[timedelta],
+                        pipeline: Optional[Any] = None) -> JoinedGroups:
+    """Start torchft's manager for ``member``'s rank and join the first quorum; a group that is behind a live peer
     (a restarted one) heals here, before the fit loop: weights and optimizer at once, Lightning's loops, callbacks
-    and LR schedules restored like a checkpoint, the data position given to the sampler."""
+    and LR schedules restored like a checkpoint, the data position returned for the sampler.
+
+    Args:
+        member: the strategy (read only).
+        backend, timeout: the process group's backend and timeout, for the groups' own.
+        pipeline: the strategy's pipeline runner, if any: its label count and loss sums are then averaged over the
+            groups of each step, like the strategy's ``reduce``.
+    """
     joining = [True]
 
     def state() -> dict[str, Any]:
-        return {**local_state(strategy.lightning_module.model, list(strategy.optimizers)),
-                "trainer": trainer_state_for_peer(trainer, strategy.checkpoint_context().data_position)}
+        return {**local_state(member.lightning_module.model, list(member.optimizers)),
+                "trainer": trainer_state_for_peer(trainer, member.checkpoint_context().data_position)}
 
     def load(peer: dict[str, Any]) -> None:
-        load_local_state(strategy.lightning_module.model, list(strategy.optimizers), peer)
+        load_local_state(member.lightning_module.model, list(member.optimizers), peer)
         position = heal_trainer_state(trainer, peer["trainer"], before_fit=joining[0])
         if joining[0]:
-            strategy.healed_from_peer = True  # FaultTolerantCheckpoint then does not auto-resume from disk
-            strategy.resume_position = position
+            joined.healed_from_peer, joined.resume_position = True, position
 
-    groups = ReplicaGroups(strategy.replica_group_env, strategy.global_rank, strategy.world_size,
-                           strategy._get_process_group_backend(), strategy._timeout, state, load,
-                           collective_timeout=strategy.ft_timeout)
-    if strategy.pipeline is not None:  # the pipeline's label count and loss sums, averaged like strategy.reduce
-        strategy.pipeline.cross_group = groups.average_in_step
+    assert member.replica_group_env is not None, "join_replica_groups is only asked with fault_tolerance='torchft'"
+    groups = ReplicaGroups(member.replica_group_env, member.global_rank, member.world_size, backend, timeout, state,
+                           load, collective_timeout=member.ft_timeout)
+    joined = JoinedGroups(groups)
+    if pipeline is not None:
+        pipeline.cross_group = groups.average_in_step
     groups.start_step()  # the first step's quorum
     joining[0] = False
-    return groups
+    return joined

@@ -26,15 +26,11 @@ from torch import nn
 
 from lightning_hybrid.models.spec import ParallelSpec
 
-__all__ = ["FLOAT8_RECIPES", "FLOAT8_EXTRA", "FLOAT8_EMULATE_ENV", "check_float8", "float8_error",
-           "float8_device_error", "check_float8_device", "convert_float8", "float8_skipped", "float8_tp_plan",
-           "precompute_float8_scales", "uses_fsdp_float8_all_gather"]
+__all__ = ["FLOAT8_EMULATE_ENV", "float8_device_error", "check_float8_device", "convert_float8", "float8_skipped",
+           "float8_tp_plan", "precompute_float8_scales", "uses_fsdp_float8_all_gather"]
 
 log = logging.getLogger(__name__)
 
-FLOAT8_RECIPES = ("tensorwise", "rowwise", "mxfp8")
-FLOAT8_EXTRA = "pip install 'lightning-hybrid[float8]'"
-FLOAT8_PRECISIONS = ("bf16-mixed", "bf16-true")
 # torch._scaled_mm (cuBLAS/CUTLASS) takes float8 matrices whose inner and output dimensions are multiples of 16;
 # MXFP8 scales blocks of 32 elements along the inner dimension.
 _DIVISOR = {"tensorwise": 16, "rowwise": 16, "mxfp8": 32}
@@ -44,49 +40,6 @@ FLOAT8_EMULATE_ENV = "LIGHTNING_HYBRID_FLOAT8_EMULATE"
 of the dequantized operands in bf16) instead of ``torch._scaled_mm``. For long CPU tests only: torch's CPU
 ``_scaled_mm`` is a reference kernel (0.25 s for a 128x64x176 product, 4,000x a bf16 matmul) whose results the
 emulation matches to bf16 rounding (tests/test_float8.py checks it)."""
-
-
-def check_float8(value: Any) -> Optional[str]:
-    """``value`` lower-cased when it is ``None`` or a recipe of :data:`FLOAT8_RECIPES`.
-
-    Raises:
-        ValueError: one line naming the value and the recipes.
-    """
-    if value is None:
-        return None
-    if not isinstance(value, str) or value.lower() not in FLOAT8_RECIPES:
-        raise ValueError(f"float8={value!r} is not supported; use None or one of {', '.join(FLOAT8_RECIPES)}")
-    return value.lower()
-
-
-def _torchao_missing() -> bool:
-    try:
-        import torchao.float8  # noqa: F401
-    except ImportError:
-        return True
-    return False
-
-
-def float8_error(float8: Optional[str], precision: str, spec: Optional[ParallelSpec],
-                 module_name: str, fsdp: bool = True) -> Optional[str]:
-    """What is wrong with ``float8`` for this precision and module (one line), or ``None``; needs no collective.
-
-    ``fsdp``: FSDP2 shards the weights over dp > 1 (under ``bf16-mixed`` it gathers them in bf16)."""
-    if float8 is None:
-        return None
-    if precision not in FLOAT8_PRECISIONS:
-        return (f"float8={float8!r} with precision={precision!r} is not supported: float8 matmuls take bf16 "
-                f"activations; use precision='bf16-mixed' or 'bf16-true'")
-    if spec is None:
-        return (f"float8={float8!r} needs a LightningModule that declares its blocks (parallel_spec()); {module_name} "
-                f"does not (convert its linears with torchao in its own configure_model)")
-    if _torchao_missing():
-        return f"float8={float8!r} needs torchao, which is not installed: {FLOAT8_EXTRA}"
-    if float8 == "mxfp8" and precision == "bf16-mixed" and not fsdp:
-        # torchao's MXFP8 linear takes bf16 weights; only FSDP2's bf16 gather gives them under bf16-mixed
-        return ("float8='mxfp8' with precision='bf16-mixed' needs FSDP2 over dp>1 (it gathers bf16 weights); "
-                "without it use precision='bf16-true'")
-    return None
 
 
 def float8_device_error(float8: Optional[str], device: torch.device) -> Optional[str]:

@@ -13,7 +13,7 @@ from typing import Callable
 import torch
 from torch import nn
 
-__all__ = ["materialize", "before_materialize"]
+__all__ = ["materialize", "before_materialize", "move_buffers"]
 
 _BEFORE: list[Callable[[], None]] = []
 
@@ -34,3 +34,12 @@ def materialize(module: nn.Module, device: torch.device) -> None:
     for hook in list(_BEFORE):
         hook()
     module.to_empty(device=device)
+
+
+def move_buffers(module: nn.Module, device: torch.device) -> None:
+    """Move the buffers of ``module`` that are not on ``device`` there (a materialized declared model's parameters
+    are on it already; only buffers built outside the meta device, like rotary tables, may be left behind)."""
+    for sub in module.modules():
+        for key, buf in sub._buffers.items():
+            if buf is not None and buf.device != device:
+                sub._buffers[key] = buf.to(device)

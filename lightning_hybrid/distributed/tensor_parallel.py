@@ -28,7 +28,7 @@ if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
 
 __all__ = ["apply_tensor_parallel", "block_plan", "outer_plan", "vocab_parallel_loss", "loss_parallel_context",
-           "full_vocabulary", "backward_in_loss_parallel", "async_tp_error", "check_async_tp", "enable_async_tp"]
+           "full_vocabulary", "backward_in_loss_parallel", "enable_async_tp"]
 
 
 def block_plan(spec: ParallelSpec, sequence_parallel: bool) -> dict:
@@ -167,36 +167,6 @@ def full_vocabulary(logits: Any, mesh: "DeviceMesh", sharded: bool = True) -> An
     if not isinstance(logits, DTensor):
         logits = DTensor.from_local(logits, tp_mesh, [Shard(logits.dim() - 1)], run_check=False)
     return logits.full_tensor()
-
-
-def async_tp_error(compile: bool, sequence_parallel: bool, device_type: Optional[str],
-                   backend: Optional[str] = None, tp: Optional[int] = None) -> Optional[str]:
-    """Why ``async_tp=True`` cannot run here (one line naming what is missing), or ``None``.
-
-    ``device_type``/``backend`` ``None``: not known yet (checked again at setup). The fake backend (dry run)
-    passes: it plays a CUDA job's ranks on CPU without running the overlapped kernels.
-    """
-    missing = [what for what, ok in (("compile=True", compile), ("sequence_parallel=True", sequence_parallel))
-               if not ok]
-    if tp is not None and tp < 2:
-        missing.append("tp>1")
-    if backend != "fake":
-        if device_type is not None and device_type != "cuda":
-            missing.append(f"a CUDA device (this run is on {device_type})")
-        if backend is not None and device_type is not None and backend != "nccl":
-            missing.append(f"the NCCL backend (this run uses {backend})")
-    if not missing:
-        return None
-    return (f"async_tp=True (micro-pipelined tensor parallelism) needs {', '.join(missing)}; "
-            f"set those or use async_tp=False")
-
-
-def check_async_tp(options: Any, device_type: str, backend: str) -> None:
-    """Raise the one-line :func:`async_tp_error` when ``options.async_tp`` cannot run on this device and backend
-    (called on every rank before the process group exists)."""
-    error = options.async_tp and async_tp_error(options.compile, options.sequence_parallel, device_type, backend)
-    if error:
-        raise ValueError(error)
 
 
 def enable_async_tp(tp_mesh: "DeviceMesh") -> None:

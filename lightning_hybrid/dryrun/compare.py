@@ -47,7 +47,7 @@ def usable_bytes(gpu: str, device_memory_gib: Optional[float]) -> float:
 
 
 def _layout(job: DryRunJob, dims: Any, options: Any) -> Any:
-    from lightning_hybrid.planner.search import Layout
+    from lightning_hybrid.planner.layout import Layout
 
     m = options.num_microbatches if dims.pp > 1 else 1
     return Layout(tp=dims.tp, pp=dims.pp, dp=dims.dp, data_parallel=options.data_parallel,
@@ -66,9 +66,10 @@ def predict(job: DryRunJob, config: Any, dims: Any, options: Any, result: RankRe
     from lightning_hybrid.distributed.pipeline.schedules import V_SHAPED
     from lightning_hybrid.hardware import SYSTEM_GPUS
     from lightning_hybrid.planner.collectives import predicted_collectives
+    from lightning_hybrid.planner.layout import Problem
+    from lightning_hybrid.planner.layout_memory import rank_memory_breakdown
     from lightning_hybrid.planner.memory import rank_memory
     from lightning_hybrid.planner.runtime import runtime_from_options
-    from lightning_hybrid.planner.search import Problem, rank_memory_breakdown
     from lightning_hybrid.planner.step_time import Hardware
 
     c = result.coordinates

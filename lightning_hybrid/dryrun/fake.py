@@ -18,8 +18,11 @@ import torch
 from lightning.fabric.plugins.environments import ClusterEnvironment
 from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode, unset_fake_temporarily
 from torch.utils._pytree import tree_leaves
+from typing_extensions import override
 
-__all__ = ["DryRunTensorMode", "FakeWorldEnvironment", "fake_world", "is_fake"]
+from lightning_hybrid.strategy import HybridParallelStrategy
+
+__all__ = ["DryRunTensorMode", "FakeWorldEnvironment", "FakeWorldStrategy", "fake_world", "is_fake"]
 
 _aten = torch.ops.aten
 # Index tensors built from nothing (shard offsets of strided placements): real, they are a few integers.
@@ -145,3 +148,12 @@ def fake_world(rank: int, world_size: int) -> Iterator[None]:
         yield
     finally:
         dist.destroy_process_group()
+
+
+class FakeWorldStrategy(HybridParallelStrategy):
+    """:class:`~lightning_hybrid.HybridParallelStrategy` on the fake backend, where object collectives carry nothing:
+    every rank computes rank 0's value by construction, so a broadcast returns its object."""
+
+    @override
+    def broadcast(self, obj: Any, src: int = 0) -> Any:
+        return obj

@@ -22,7 +22,7 @@ from typing import Any, Optional
 
 import torch
 
-from lightning_hybrid.distributed.parallelize import compute_weights
+from lightning_hybrid.distributed.data_parallel import torch_dtype
 from lightning_hybrid.dryrun.accounting import (
     CollectiveCounter,
     MemoryPeaks,
@@ -72,10 +72,11 @@ def build_trainer(job: DryRunJob, rank: int, fake: bool) -> Any:
     """A Trainer for ``job`` on CPU with ``HybridParallelStrategy``; on the fake world when ``fake``."""
     import lightning.pytorch as pl
 
-    from lightning_hybrid.dryrun.fake import FakeWorldEnvironment
+    from lightning_hybrid.dryrun.fake import FakeWorldEnvironment, FakeWorldStrategy
     from lightning_hybrid.strategy import HybridParallelStrategy
 
-    strategy = HybridParallelStrategy(**job.strategy, process_group_backend="fake" if fake else "gloo")
+    cls = FakeWorldStrategy if fake else HybridParallelStrategy  # object collectives carry nothing on the fake backend
+    strategy = cls(**job.strategy, process_group_backend="fake" if fake else "gloo")
     plugins = [FakeWorldEnvironment(rank, job.world_size, job.devices_per_node)] if fake else None
     return pl.Trainer(accelerator="cpu", devices=job.devices_per_node, num_nodes=job.num_nodes, strategy=strategy,
                       precision=job.precision, plugins=plugins, max_steps=1000, logger=False,
@@ -91,11 +92,12 @@ def stage_examples(stage: Any, job: DryRunJob, dims: Any, options: Any, precisio
     under sequence parallel), the logits out of the last."""
     mb = job.batch_size // options.num_microbatches
     seq = job.seq_len // dims.tp if options.sequence_parallel and dims.tp > 1 else job.seq_len
-    fsdp_dtype = options.param_dtype(precision) if dims.dp > 1 and options.data_parallel == "fsdp" else None
-    stored = torch.bfloat16 if precision == "bf16-true" or compute_weights(options, dims, precision) else torch.float32
+    fsdp = dims.dp > 1 and options.data_parallel == "fsdp"
+    fsdp_dtype = torch_dtype(options.param_dtype(precision)) if fsdp else None
+    stored = torch.bfloat16 if precision == "bf16-true" or options.compute_weights(dims, precision) else torch.float32
     hidden_dtype = fsdp_dtype or stored
-    # with loss parallel the last stage outputs its vocabulary shard of the logits
-    vocab = config.vocab_size // dims.tp if options.loss_parallel and dims.tp > 1 else config.vocab_size
+    # with the loss on vocabulary shards the last stage outputs its shard of the logits
+    vocab = config.vocab_size // dims.tp if options.loss_on_shards(dims) else config.vocab_size
     logits_dtype = torch.float32 if precision == "32-true" else torch.bfloat16
 
     def meta(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
@@ -108,13 +110,12 @@ def stage_examples(stage: Any, job: DryRunJob, dims: Any, options: Any, precisio
     return (inputs,), (outputs,)
 
 
-def _static_stages(strategy: Any, module: Any, job: DryRunJob) -> None:
+def _static_stages(strategy: Any, module: Any, job: DryRunJob, precision: str) -> None:
     """Give every pipeline stage its shapes and the static vote (torch's own exchange carries nothing here)."""
     from torch.distributed.pipelining._utils import _StageMeta, extract_tensor_metas
 
     for stage in strategy.pipeline.stages:
-        inputs, outputs = stage_examples(stage, job, strategy.dims, strategy.options, strategy._precision,
-                                         module.config)
+        inputs, outputs = stage_examples(stage, job, strategy.dims, strategy.options, precision, module.config)
         stage._user_meta = _StageMeta(inputs=extract_tensor_metas(inputs), outputs=extract_tensor_metas(outputs),
                                       input_grads=None, output_grads=None)
         stage._warmup_forward_vote = lambda *args, **kwargs: torch.ones(1, dtype=torch.int32)
@@ -136,9 +137,6 @@ def _setup(job: DryRunJob, rank: int, fake: bool) -> tuple[Any, Any]:
     module.log = lambda *args, **kwargs: None  # Lightning's logging belongs to its loop, which is not run
     trainer = build_trainer(job, rank, fake)
     strategy = trainer.strategy
-    if fake:
-        # Object collectives carry nothing on the fake backend; every rank computes rank 0's value by construction.
-        strategy.broadcast = lambda obj, src=0: obj
     trainer.state.fn, trainer.state.stage = TrainerFn.FITTING, RunningStage.TRAINING
     module.trainer = trainer
     strategy.connect(module)
@@ -146,7 +144,7 @@ def _setup(job: DryRunJob, rank: int, fake: bool) -> tuple[Any, Any]:
     module.configure_model()
     strategy.setup(trainer)
     if fake and strategy.pipeline is not None:
-        _static_stages(strategy, module, job)
+        _static_stages(strategy, module, job, str(trainer.precision))
     return trainer, module
 
 

@@ -12,10 +12,10 @@ import torch
 from torch import Tensor
 from torchmetrics import MeanMetric
 
-from lightning_hybrid.distributed.init_weights import init_parameters
+from lightning_hybrid.init_weights import init_parameters
 from lightning_hybrid.models.qwen2.config import Qwen2Config, flops_per_token, parallel_spec
 from lightning_hybrid.models.qwen2.model import Qwen2, parameter_init
-from lightning_hybrid.models.spec import ParallelSpec
+from lightning_hybrid.models.spec import ParallelSpec, token_mean_loss
 
 __all__ = ["CausalLM", "split_batch", "position_ids_of", "LR_SCHEDULES"]
 
@@ -178,9 +178,9 @@ class CausalLM(pl.LightningModule):
                      position_ids: Optional[Tensor] = None) -> tuple[Tensor, Tensor, Tensor]:
         """(loss to backpropagate, global mean loss for logging, global label-token count).
 
-        Each rank backpropagates ``local_sum / global_count * dp``: the strategies average gradients over
-        the data-parallel ranks, so the result is the gradient of the global token mean. One all-reduce
-        gives both the global sum (for logging) and the global count; ranks that hold the same data
+        Each rank backpropagates its label-token sum as its part of the global token mean
+        (:func:`~lightning_hybrid.models.spec.token_mean_loss`, which the pipeline's runner uses per micro-batch).
+        One all-reduce gives both the global sum (for logging) and the global count; ranks that hold the same data
         (tensor/pipeline peers) are divided out.
         """
         pipeline = self._declared_runner()
@@ -193,8 +193,7 @@ class CausalLM(pl.LightningModule):
         stats = torch.stack([loss_sum.detach().float(), count.float()])
         if strategy.world_size > 1:
             stats = strategy.reduce(stats, reduce_op="sum") * (dp / strategy.world_size)
-        total = stats[1].clamp(min=1.0)
-        return loss_sum / total * dp, stats[0] / total, stats[1]
+        return token_mean_loss(loss_sum, stats[1], dp), token_mean_loss(stats[0], stats[1]), stats[1]
 
     def training_step(self, batch: Any, batch_idx: int) -> Tensor:
         input_ids, labels = split_batch(batch)

@@ -2,15 +2,20 @@
 
 A model is parallelizable by :class:`~lightning_hybrid.HybridParallelStrategy` when it has a
 ``parallel_spec()`` method returning a :class:`ParallelSpec` and a ``loss_sum(logits, labels)``
-method. This module is plain data: it does not import ``torch.distributed``.
+method returning the loss summed over the label tokens and their count; :func:`token_mean_loss` turns such sums
+into the global token-mean loss, the same on one process, under data parallelism and in a pipeline. This module is
+plain data and arithmetic: it imports no torch.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Optional
+from typing import TYPE_CHECKING, Any, Optional
 
-__all__ = ["ParallelSpec", "TP_STYLES", "IGNORE_INDEX", "declared_spec"]
+if TYPE_CHECKING:
+    from torch import Tensor
+
+__all__ = ["ParallelSpec", "TP_STYLES", "IGNORE_INDEX", "declared_spec", "token_mean_loss"]
 
 # Label value that the loss ignores (padding, prompt tokens), as in torch's cross_entropy and Hugging Face.
 IGNORE_INDEX = -100
@@ -87,3 +92,23 @@ def declared_spec(module: Any) -> Optional[ParallelSpec]:
         raise TypeError(f"{type(module).__name__}.parallel_spec() returned {type(spec).__name__}, not a ParallelSpec; "
                         f"return lightning_hybrid.models.spec.ParallelSpec(...) or remove the method")
     return spec
+
+
+def token_mean_loss(loss_sum: "Tensor", global_count: "Tensor", data_ranks: int = 1,
+                    grad_scale: float = 1.0) -> "Tensor":
+    """A label-token loss sum as its part of the mean over every label token of the global batch.
+
+    The one place the loss is normalized: the one-stage path (:meth:`~lightning_hybrid.models.CausalLM`'s step) and
+    the pipeline (:class:`~lightning_hybrid.distributed.pipeline.runner.PipelineRunner`, per micro-batch) both call
+    it. A rank backpropagates ``loss_sum / global_count * data_ranks`` (its own tokens' sum): the strategies average
+    gradients over the data ranks, so the result is the gradient of the global token mean; ``grad_scale`` is the
+    ``1 / accumulate_grad_batches`` Lightning applies to a returned loss and a pipeline's schedule must apply itself.
+    With the global sum, ``data_ranks=1`` and ``grad_scale=1`` it is the global mean itself (what is logged).
+
+    Args:
+        loss_sum: the cross-entropy summed over label tokens (a rank's, a micro-batch's, or the global batch's).
+        global_count: the label tokens of the global batch (at least 1 is used: a batch of ignored labels has loss 0).
+        data_ranks: the ranks that see different tokens and average their gradients (dp x cp).
+        grad_scale: the gradient accumulation's ``1 / accumulate_grad_batches``.
+    """
+    return loss_sum / global_count.clamp(min=1.0) * (data_ranks * grad_scale)

@@ -1,20 +1,25 @@
 """``tp="auto"``, ``pp="auto"``, ...: the strategy asks the planner for the layout at setup, before the model is built.
 
-The options left ``"auto"`` (see :data:`~lightning_hybrid.distributed.parallelize.AUTO_FIELDS`) are searched; every
+The options left ``"auto"`` (see :data:`~lightning_hybrid.distributed.options.AUTO_FIELDS`) are searched; every
 other option stays as given (a fixed ``tp=8`` with ``pp="auto"`` searches only pp, micro-batches, ...). Under auto,
 ``microbatches=None`` is searched too (its default depends on the pipeline the planner picks).
 
-What the planner plans from:
+What the planner plans from (an :class:`AutoRequest`, plain values that
+:mod:`lightning_hybrid.distributed.auto_layout` reads off the job on every rank, and the device's figures it measures):
 
 * the world size and devices per node;
 * the device: a GPU's name through :mod:`lightning_hybrid.hardware` and its memory as torch reports it; on CPU the
   measured matmul speed and memory bandwidth (:mod:`lightning_hybrid.planner.calibrate`); a preflight measurement
   (``preflight=True``) replaces the tabulated link and matmul figures;
 * the declared model config (``module.config``, a :class:`~lightning_hybrid.models.Qwen2Config`);
-* the sequence length and batch (:func:`training_shape`): a datamodule's ``seq_len`` and ``global_batch_size``
+* the sequence length and batch (a :class:`TrainingShape`): a datamodule's ``seq_len`` and ``global_batch_size``
   (the global batch is then kept, whatever dp is chosen) or ``batch_size`` (sequences per dp rank, as in Lightning:
   the global batch grows with dp); for a plain DataLoader its ``batch_size`` and the first sample's length;
 * the precision.
+
+The layouts are :mod:`lightning_hybrid.planner.layout`'s one enumerator's, within the choices the fixed options leave
+(as before it, the auto layout plans without context parallelism and HSDP shard groups: ``cp`` and ``dp_shard`` are
+not among the auto fields).
 
 Layouts are ranked by predicted tokens per second (with a per-dp-rank batch the global batch differs between
 layouts, so step time alone would not compare them). Rank 0 decides and broadcasts, so every rank builds the same
@@ -31,22 +36,29 @@ resharded into the planned layout on load (set ``trainer.ckpt_path`` to keep the
 from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
-from pathlib import Path
 from typing import Any, Optional
 
+from lightning_hybrid.distributed.options import AUTO, AUTO_FIELDS, ParallelOptions
 from lightning_hybrid.distributed.parallel_dims import divisors, format_choices
-from lightning_hybrid.distributed.parallelize import AUTO, AUTO_FIELDS, ParallelOptions
-from lightning_hybrid.distributed.pipeline.schedules import validate_schedule
 from lightning_hybrid.models.qwen2.config import Qwen2Config
+from lightning_hybrid.planner.cost import estimate
+from lightning_hybrid.planner.layout import (
+    PIPELINE_SCHEDULES,
+    Choices,
+    Estimate,
+    Layout,
+    Problem,
+    layout_reason,
+    layouts,
+    mesh_sizes,
+)
 from lightning_hybrid.planner.memory import RECOMPUTE
 from lightning_hybrid.planner.runtime import RUNTIME_OPTIONS, runtime_from_options
-from lightning_hybrid.planner.search import PIPELINE_SCHEDULES, Estimate, Layout, Problem, estimate, layout_reason
-from lightning_hybrid.planner.step_time import Hardware
+from lightning_hybrid.planner.step_time import Hardware, TimeModel
 
-__all__ = ["TrainingShape", "AutoPlan", "auto_fields", "check_auto_request", "plan_layout", "apply_layout",
-           "training_shape", "resume_layout", "fixed_by_manifest", "enumerate_layouts"]
+__all__ = ["TrainingShape", "AutoPlan", "AutoRequest", "auto_fields", "check_auto_request", "plan_layout",
+           "plan_request", "apply_layout", "fixed_by_manifest", "enumerate_layouts"]
 
-MANIFEST = "meta.json"  # the checkpoint manifest's file name (lightning_hybrid.checkpoint.manifest.MANIFEST)
 VIRTUAL_STAGES = (1, 2, 4)  # tried when virtual_stages is "auto" with a fixed pipeline schedule
 
 
@@ -80,18 +92,10 @@ def _split_stages(options: ParallelOptions) -> Optional[int]:
 
 def _sizes(options: ParallelOptions, world_size: int, devices_per_node: int) -> list[tuple[int, int, int]]:
     """Every (tp, pp, dp) the fixed sizes allow: tp inside a node, the product the world size."""
-    out = []
-    tps = [options.tp] if options.tp != AUTO else [t for t in divisors(devices_per_node) if world_size % t == 0]
-    for tp in tps:
-        if world_size % tp:
-            continue
-        for pp in [options.pp] if options.pp != AUTO else divisors(world_size // tp):
-            if world_size % (tp * pp):
-                continue
-            dp = world_size // (tp * pp)
-            if options.dp in (None, AUTO, dp):
-                out.append((tp, pp, dp))
-    return out
+    def fixed(value: Any) -> Optional[int]:
+        return None if value in (None, AUTO) else value
+
+    return mesh_sizes(world_size, devices_per_node, fixed(options.tp), fixed(options.pp), fixed(options.dp))
 
 
 def _stage_choices(options: ParallelOptions, pp: int) -> list[tuple[str, int]]:
@@ -176,30 +180,24 @@ class AutoPlan:
         return "\n".join(lines)
 
 
-def _layouts(options: ParallelOptions, tp: int, pp: int, dp: int, per_replica: int) -> list[Layout]:
-    """Every layout of one mesh the fixed options allow (micro-batching, schedule, recompute, dp mode)."""
+def _choices(options: ParallelOptions, tp: int, pp: int, dp: int, per_replica: int) -> Choices:
+    """What the fixed options leave to vary on one mesh: dp mode, micro-batching, schedule and recompute (sequence
+    parallelism is the option's; no cp, no HSDP shard group: ``dp_shard`` 0 as the auto layout always planned)."""
     modes = [options.data_parallel] if options.data_parallel != AUTO else (
         ["fsdp", "replicate"] if dp > 1 else ["fsdp"])
+    if isinstance(options.microbatches, int):
+        counts = [options.microbatches]
+    else:
+        counts = divisors(per_replica) if pp > 1 else [1]  # without a pipeline the step is one batch
     recomputes = [options.activation_checkpointing] if options.activation_checkpointing != AUTO else list(RECOMPUTE)
-    out = []
-    for schedule, v in _stage_choices(options, pp):
-        if isinstance(options.microbatches, int):
-            counts = [options.microbatches]
-        else:
-            counts = divisors(per_replica) if pp > 1 else [1]  # without a pipeline the step is one batch
-        for m in counts:
-            if per_replica % m:
-                continue
-            if pp > 1:
-                try:
-                    validate_schedule(schedule, pp, v, m)
-                except ValueError:
-                    continue
-            for mode in modes:
-                for recompute in recomputes:
-                    out.append(Layout(tp, pp, dp, mode, per_replica // m, m, schedule, v, recompute,
-                                      options.sequence_parallel and tp > 1))
-    return out
+    return Choices(modes=tuple((mode, 0) for mode in modes), microbatches=tuple(counts),
+                   stages=tuple(_stage_choices(options, pp)), recompute=tuple(recomputes),
+                   sequence_parallel=(options.sequence_parallel and tp > 1,))
+
+
+def _layouts(options: ParallelOptions, tp: int, pp: int, dp: int, per_replica: int) -> list[Layout]:
+    """Every layout of one mesh the fixed options allow (micro-batching, schedule, recompute, dp mode)."""
+    return list(layouts(tp, pp, dp, per_replica, _choices(options, tp, pp, dp, per_replica)))
 
 
 def enumerate_layouts(options: ParallelOptions, world_size: int, devices_per_node: int,
@@ -284,54 +282,53 @@ def apply_layout(options: ParallelOptions, layout: dict[str, Any]) -> ParallelOp
     return replace(options, **changes)
 
 
-def training_shape(datamodule: Any, dataloader: Any) -> TrainingShape:
-    """Sequence length and batch from a datamodule's attributes (or hyperparameters), or from a DataLoader.
-
-    Raises:
-        ValueError: neither says them.
-    """
-    if datamodule is not None:
-        def attr(name: str) -> Any:
-            value = getattr(datamodule, name, None)
-            return value if value is not None else getattr(datamodule, "hparams", {}).get(name)
-
-        seq_len, global_batch, batch = attr("seq_len"), attr("global_batch_size"), attr("batch_size")
-        if isinstance(seq_len, int) and isinstance(global_batch or batch, int):
-            return TrainingShape(seq_len, global_batch or batch, global_batch is not None)
-        raise ValueError(f"the layout planner needs the sequence length and batch: give {type(datamodule).__name__} "
-                         f"int attributes seq_len and global_batch_size (or batch_size, per dp rank)")
-    batch = getattr(dataloader, "batch_size", None)
-    dataset = getattr(dataloader, "dataset", None)
-    sample = dataset[0] if dataset is not None and hasattr(dataset, "__getitem__") else None
-    if isinstance(sample, dict):
-        sample = sample.get("input_ids", next(iter(sample.values()), None))
-    elif isinstance(sample, (tuple, list)):
-        sample = sample[0] if sample else None
-    seq_len = sample.shape[-1] if getattr(sample, "ndim", 0) >= 1 else None
-    if not isinstance(batch, int) or seq_len is None:
-        raise ValueError("the layout planner needs the sequence length and batch: train from a DataLoader with a "
-                         "batch_size over a dataset of token tensors, or a datamodule with seq_len and batch_size")
-    return TrainingShape(int(seq_len), batch, False)
-
-
-def resume_layout(folder: Optional[Path]) -> Optional[dict[str, Any]]:
-    """The layout a checkpoint folder's manifest records (``None`` without one)."""
-    import json
-
-    from lightning_hybrid.checkpoint.storage import checkpoint_path
-
-    if folder is None or not (checkpoint_path(folder) / MANIFEST).is_file():
-        return None
-    try:
-        mesh = json.loads((checkpoint_path(folder) / MANIFEST).read_text()).get("mesh")
-    except (OSError, ValueError):
-        return None  # the loader's verifier names the damage
-    return mesh if isinstance(mesh, dict) and "tp" in mesh else None
-
-
 def fixed_by_manifest(options: ParallelOptions, layout: dict[str, Any]) -> ParallelOptions:
     """``options`` with each auto field the manifest records fixed to its value there."""
     changes = {name: layout[name] for name in auto_fields(options) if layout.get(name) is not None}
     if "microbatches" in layout and options.microbatches is None:
         changes["microbatches"] = layout["microbatches"]
     return replace(options, **changes)
+
+
+@dataclass(frozen=True)
+class AutoRequest:
+    """What the auto layout is planned from, read off the job identically on every rank (plain values).
+
+    Args:
+        options: the strategy's options, some of them ``"auto"``.
+        config: the declared model's config.
+        world_size, devices_per_node: the processes, in all and per node.
+        precision: Lightning's precision flag.
+        shape: the sequence length and batch.
+        resume_folder: the checkpoint this fit resumes from (for the notes), or ``None``.
+    """
+
+    options: ParallelOptions
+    config: Qwen2Config
+    world_size: int
+    devices_per_node: int
+    precision: str
+    shape: TrainingShape
+    resume_folder: Optional[Any] = None
+
+
+def plan_request(request: AutoRequest, hw: Hardware, time_model: Optional[TimeModel], device: str,
+                 manifest: Optional[dict[str, Any]] = None) -> AutoPlan:
+    """Plan ``request`` on ``hw``: the checkpoint manifest's layout (``manifest``, what the resumed checkpoint
+    recorded) when it was written on this world size, else the planner's choice (noting a re-plan).
+
+    Raises:
+        ValueError: nothing fits or no layout is possible (:func:`plan_layout`).
+    """
+    options, requested = request.options, auto_fields(request.options)
+    notes, source = [], "planner"
+    if manifest is not None and manifest.get("world_size") == request.world_size:
+        options, source = fixed_by_manifest(options, manifest), f"checkpoint manifest {request.resume_folder}"
+    elif manifest is not None:
+        notes.append(f"re-planned: the checkpoint {request.resume_folder} was written on world size "
+                     f"{manifest.get('world_size')} (tp={manifest['tp']} pp={manifest['pp']} dp={manifest['dp']}); "
+                     f"this run has {request.world_size}, and the checkpoint is resharded on load")
+    # a manifest may fix every auto field: the planner then estimates that one layout (still logged)
+    plan = plan_layout(options, request.config, hw, request.shape, request.precision, time_model, device)
+    plan.source, plan.notes, plan.fields = source, notes, requested
+    return plan

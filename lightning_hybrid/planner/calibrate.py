@@ -12,12 +12,13 @@ preflight report (:mod:`lightning_hybrid.preflight.links`, ``--json``) into :cla
   that figure (``Hardware.collective_factors``).
   TP and DP collectives and pipeline transfers then cost what the mesh dimension's link measured.
 
-Without a preflight, a CPU run measures a float32 matmul and a memory copy on the spot (a fraction of a second)
-and takes gloo's link figures from :data:`CPU_GLOO_BUS_GBS` and :data:`CPU_GLOO_LATENCY_S`. CPU processes share
-the cores this process may run on (``Hardware.cores_per_node``): a step takes at least the node's compute over its
-cores plus its communication (``core_sharing`` in the estimate). With no spare core (processes >= cores), a blocking
-collective also waits for its peers to be scheduled (:data:`CPU_SCHEDULING_WAIT_S` per step of its ring), and
-prefetched FSDP collectives find no free core to hide behind.
+Without a preflight, a CPU run measures a float32 matmul and a memory copy on the spot (a fraction of a second;
+:func:`lightning_hybrid.device_speed.measure_cpu`, called on the distributed side: this module is arithmetic and
+receives the figures as a :class:`DeviceFigures`) and takes gloo's link figures from :data:`CPU_GLOO_BUS_GBS` and
+:data:`CPU_GLOO_LATENCY_S`. CPU processes share the cores this process may run on (``Hardware.cores_per_node``): a
+step takes at least the node's compute over its cores plus its communication (``core_sharing`` in the estimate). With
+no spare core (processes >= cores), a blocking collective also waits for its peers to be scheduled
+(:data:`CPU_SCHEDULING_WAIT_S` per step of its ring), and prefetched FSDP collectives find no free core to hide behind.
 """
 
 from __future__ import annotations
@@ -25,20 +26,16 @@ from __future__ import annotations
 import json
 import os
 import statistics
-import time
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Optional, Union
 
 from lightning_hybrid.hardware import GPU, PeakFlops, gpu_from_device_name
 from lightning_hybrid.planner.step_time import Hardware, TimeModel
 
-__all__ = ["calibrate_hardware", "load_preflight", "local_hardware", "measure_cpu", "cpu_gpu_entry", "cpu_hardware",
-           "CPU_TIME_MODEL", "CPU_GLOO_BUS_GBS", "CPU_GLOO_LATENCY_S", "CPU_MATMUL_SIZE", "CPU_SCHEDULING_WAIT_S"]
+__all__ = ["calibrate_hardware", "load_preflight", "local_hardware", "DeviceFigures", "cpu_gpu_entry", "cpu_hardware",
+           "CPU_TIME_MODEL", "CPU_GLOO_BUS_GBS", "CPU_GLOO_LATENCY_S", "CPU_SCHEDULING_WAIT_S"]
 
-CPU_MATMUL_SIZE = 384
-"""Side of the float32 matmul timed on CPU: large enough to reach the cores' GEMM speed, a few ms per call."""
-CPU_COPY_BYTES = 32 << 20  # the memory copy timed on CPU: beyond the caches
 CPU_GLOO_BUS_GBS = 1.0
 """gloo's bus bandwidth between processes of one machine (shared memory through TCP loopback), GB/s; a preflight
 replaces it."""
@@ -57,26 +54,6 @@ without it (Spearman 0.72) and 8% median error, Spearman 0.94 with it: a core pe
 CPU_TIME_MODEL = TimeModel(gemm_knee=24.0, tp_overlap_exposed=1.0, attention_efficiency=0.25, hbm_efficiency=1.0)
 """CPU kernels: small GEMMs lose less to tiling than on a GPU (knee 24, not 664); attention (SDPA's math path on
 CPU) reaches about a quarter of the matmul speed; elementwise ops move bytes at the measured copy bandwidth."""
-
-
-def _timed(fn: Any, repeats: int) -> float:
-    fn()
-    start = time.perf_counter()
-    for _ in range(repeats):
-        fn()
-    return (time.perf_counter() - start) / repeats
-
-
-def measure_cpu(size: int = CPU_MATMUL_SIZE, repeats: int = 5) -> tuple[float, float]:
-    """(float32 matmul TFLOP/s, memory copy TB/s) of this process on CPU, with the threads it has."""
-    import torch
-
-    a, b = torch.randn(size, size), torch.randn(size, size)
-    matmul = 2 * size ** 3 / _timed(lambda: a @ b, repeats) / 1e12
-    src = torch.empty(CPU_COPY_BYTES // 4)
-    dst = torch.empty_like(src)
-    copy = 2 * CPU_COPY_BYTES / _timed(lambda: dst.copy_(src), repeats) / 1e12  # read + write
-    return matmul, copy
 
 
 def cpu_gpu_entry(matmul_tflops: float, copy_tbs: float, memory_gb: float) -> GPU:
@@ -177,25 +154,40 @@ def calibrate_hardware(hw: Hardware, preflight: dict[str, Any]) -> Hardware:
     return replace(hw, gpu=gpu, **changes)
 
 
-def local_hardware(device: Any, world_size: int, devices_per_node: int,
+@dataclass(frozen=True)
+class DeviceFigures:
+    """What the distributed side read or measured of this job's device, for :func:`local_hardware`.
+
+    Args:
+        type: ``"cuda"``, or another device type (planned as CPU processes).
+        name: a CUDA device's name as torch reports it; ``memory_gb`` its total memory.
+        matmul_tflops, copy_tbs: on CPU, the measured float32 matmul speed and memory copy bandwidth.
+    """
+
+    type: str
+    name: str = ""
+    memory_gb: float = 0.0
+    matmul_tflops: float = 0.0
+    copy_tbs: float = 0.0
+
+
+def local_hardware(device: DeviceFigures, world_size: int, devices_per_node: int,
                    preflight: Optional[dict[str, Any]] = None) -> tuple[Hardware, Optional[TimeModel], str]:
     """(hardware, time model or ``None`` for the default, description) of this job's devices.
 
     Raises:
         ValueError: a CUDA device the GPU table does not know.
     """
-    if getattr(device, "type", str(device)) == "cuda":
-        import torch
-
-        name = torch.cuda.get_device_name(device)
+    if device.type == "cuda":
+        name = device.name
         gpu = gpu_from_device_name(name)
         if gpu is None or not gpu.has_system_figures:
             raise ValueError(f"device {name!r} is not in lightning_hybrid.hardware's table with memory and link "
                              f"figures; give fixed sizes (tp, pp, dp) instead of 'auto'")
-        gpu = replace(gpu, memory_gb=torch.cuda.get_device_properties(device).total_memory / 1e9)
+        gpu = replace(gpu, memory_gb=device.memory_gb)
         hw, time_model, described = Hardware(gpu, world_size, devices_per_node), None, f"{name} x {world_size}"
     else:
-        matmul, copy = measure_cpu()
+        matmul, copy = device.matmul_tflops, device.copy_tbs
         hw = cpu_hardware(matmul, copy, world_size, devices_per_node)
         time_model = CPU_TIME_MODEL
         described = f"CPU x {world_size}: matmul {matmul * 1e3:.1f} GFLOP/s, copy {copy * 1e3:.1f} GB/s measured"

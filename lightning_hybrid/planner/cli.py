@@ -17,10 +17,11 @@ from lightning_hybrid.planner.interval import (
     DEFAULT_STORAGE_GBPS,
     checkpoint_plan,
 )
+from lightning_hybrid.planner.layout import Estimate, Layout, Problem
 from lightning_hybrid.planner.memory import OPTIMIZERS, PRECISIONS
 from lightning_hybrid.planner.recipe_plan import format_recipe_plan, plan_recipe
 from lightning_hybrid.planner.runtime import runtime_features, runtime_from_options
-from lightning_hybrid.planner.search import Estimate, Layout, Problem, explain, search
+from lightning_hybrid.planner.search import explain, search
 from lightning_hybrid.planner.step_time import GEMM_PEAK_EFFICIENCY, Hardware
 
 __all__ = ["build_parser", "build_problem", "run_plan", "assumptions", "explain_time", "format_table"]

@@ -63,14 +63,11 @@ from __future__ import annotations
 
 import math
 from collections import defaultdict
-from typing import Any, Callable, Optional, Union
+from typing import Callable, Optional, Union
 
-from lightning_hybrid.distributed.data_parallel import GRADIENT_BUCKET_BYTES
+from lightning_hybrid.distributed.options import GRADIENT_BUCKET_BYTES
+from lightning_hybrid.planner.layout import Layout, Problem
 from lightning_hybrid.planner.memory import chunk_rows, rank_parameter_shapes, split_blocks
-
-# ``problem`` and ``layout`` below are planner.search's ``Problem`` and ``Layout``; search imports this module (the
-# time model counts its TP collectives and FSDP gathers with the functions here), so they are not imported back.
-Problem = Layout = Any
 
 __all__ = ["predicted_collectives", "COLWISE_PER_BLOCK", "tp_all_reduce_equivalents", "fsdp_block_gathers"]
 

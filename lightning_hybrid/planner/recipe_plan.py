@@ -13,8 +13,10 @@ from typing import Any, Optional
 
 from lightning_hybrid.hardware import SYSTEM_GPUS
 from lightning_hybrid.models.qwen2.config import Qwen2Config
+from lightning_hybrid.planner.cost import estimate
+from lightning_hybrid.planner.layout import Estimate, Layout, Problem
 from lightning_hybrid.planner.runtime import runtime_features, runtime_from_options
-from lightning_hybrid.planner.search import Estimate, Layout, Problem, estimate, search
+from lightning_hybrid.planner.search import search
 from lightning_hybrid.planner.step_time import Hardware
 from lightning_hybrid.recipe_file import read_recipe, recipe_gpu
 

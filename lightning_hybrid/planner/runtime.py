@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from typing import Any, Mapping, Optional
 
+from lightning_hybrid.distributed.options import reshard_after_forward
 from lightning_hybrid.planner.step_time import Runtime
 
 __all__ = ["RUNTIME_OPTIONS", "runtime_from_options", "runtime_features"]
@@ -27,14 +28,16 @@ RUNTIME_OPTIONS: dict[str, Any] = {
 
 
 def _reshards_under_pipeline(value: Any) -> bool:
-    """Whether FSDP reshards each block after every forward under ``pp > 1`` (``"auto"``: no, as torchtitan)."""
+    """Whether FSDP reshards each block after every forward under ``pp > 1``: the strategy's own decision
+    (:func:`~lightning_hybrid.distributed.options.reshard_after_forward`; ``"auto"``: no, as torchtitan), for a
+    recipe's value, which may also be the string ``"true"`` or ``"false"``."""
     if isinstance(value, str):
-        if value.lower() == "auto":
-            return False
-        if value.lower() in ("true", "false"):
-            return value.lower() == "true"
-        raise ValueError(f"fsdp_reshard_after_forward={value!r}; use True, False or 'auto'")
-    return bool(value)
+        if value.lower() not in ("auto", "true", "false"):
+            raise ValueError(f"fsdp_reshard_after_forward={value!r}; use True, False or 'auto'")
+        policy: Any = "auto" if value.lower() == "auto" else value.lower() == "true"
+    else:
+        policy = bool(value)
+    return reshard_after_forward(policy, pp=2, schedule="1f1b")  # any pipeline of a non-zero-bubble schedule
 
 
 def runtime_from_options(options: Optional[Mapping[str, Any]] = None, precision: str = "bf16-mixed") -> Runtime:

@@ -4,7 +4,7 @@ The GPU figures come from :mod:`lightning_hybrid.hardware`; :class:`Hardware` ad
 GPUs per node) and link efficiency, :class:`Runtime` what the training software does that changes time
 (fused kernels, overlapped collectives, the selective recompute policy), and :class:`TimeModel` the constants
 fitted on published runs (``benchmarks/planner_published.py``; ``docs/planner.md`` lists each with its source).
-:func:`lightning_hybrid.planner.search.estimate` adds the terms up. Per micro-batch and pipeline rank:
+:func:`lightning_hybrid.planner.cost.estimate` adds the terms up. Per micro-batch and pipeline rank:
 
 * GEMMs: every matmul of a block (q, k, v, o, gate, up, down) and the head at its TP-local shape
   ``tokens x in x out``, forward and backward ``6 x tokens x in x out`` FLOPs, at ``peak x`` :func:`gemm_efficiency`

@@ -10,7 +10,8 @@ from typing import Optional
 
 import torch
 
-from lightning_hybrid.distributed.parallel_dims import MESH_DIMS, ParallelDims, build_mesh
+from lightning_hybrid.distributed.mesh import MESH_DIMS, build_mesh
+from lightning_hybrid.distributed.parallel_dims import ParallelDims
 from lightning_hybrid.hardware import SYSTEM_GPUS
 from lightning_hybrid.launch.torchrun import free_port
 from lightning_hybrid.preflight.links import (

@@ -27,7 +27,8 @@ from typing import TYPE_CHECKING, Any, Optional
 
 import torch
 
-from lightning_hybrid.distributed.parallel_dims import MESH_DIMS
+from lightning_hybrid.device_speed import matmul_flops
+from lightning_hybrid.distributed.mesh import MESH_DIMS
 from lightning_hybrid.hardware import SYSTEM_GPUS
 from lightning_hybrid.preflight.health import check_gpu_health, gpu_type_from_name, read_nvml
 
@@ -236,17 +237,8 @@ def _measure_local(mesh: "DeviceMesh", device: torch.device, sizes: list[int], i
 
 
 def _matmul_tflops(device: torch.device, size: Optional[int], iters: int) -> float:
-    n = size or DEFAULT_MATMUL_SIZE[device.type]
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-    a, b = torch.randn(n, n, device=device, dtype=dtype), torch.randn(n, n, device=device, dtype=dtype)
-    for _ in range(_MATMUL_WARMUP):
-        a @ b
-    _sync(device)
-    start = time.perf_counter()
-    for _ in range(iters):
-        a @ b
-    _sync(device)
-    return 2 * n ** 3 * iters / (time.perf_counter() - start) / 1e12
+    return matmul_flops(size or DEFAULT_MATMUL_SIZE[device.type], iters, device, dtype, warmup=_MATMUL_WARMUP) / 1e12
 
 
 def _local_health(device: torch.device) -> dict[str, Any]:
@@ -284,7 +276,7 @@ def run_preflight(mesh: "DeviceMesh", gpu: Optional[str] = None, expected_busbw:
 
     Args:
         mesh: the training mesh ``("pp", "dp", "tp")`` from
-            :func:`lightning_hybrid.distributed.parallel_dims.build_mesh`.
+            :func:`lightning_hybrid.distributed.mesh.build_mesh`.
         gpu: GPU type (``h100``, ``h200``, ``b200``, ``b300``) for the expected values; ``None`` infers it
             from the CUDA device name, and on CPU there are no expected values unless given.
         expected_busbw: GB/s by dimension (``{"tp": 360}``) or by ``"dim.test"`` (``{"dp.all_gather": 40}``).

@@ -29,7 +29,7 @@ def full_weights(module: torch.nn.Module) -> dict[str, torch.Tensor]:
     """Every parameter of the whole model, gathered from TP/FSDP shards and pipeline stages, on every rank."""
     from torch.distributed.tensor import DTensor
 
-    from lightning_hybrid.distributed.init_weights import canonical_name
+    from lightning_hybrid.init_weights import canonical_name
 
     local = {}
     for name, param in module.named_parameters():

@@ -14,8 +14,9 @@ from typing import TYPE_CHECKING, Any, Callable, Iterator, Optional
 import torch
 from torch import Tensor, nn
 
+from lightning_hybrid.distributed.options import ParallelOptions
 from lightning_hybrid.distributed.parallel_dims import ParallelDims
-from lightning_hybrid.distributed.parallelize import ParallelOptions, loss_function, parallelize
+from lightning_hybrid.distributed.parallelize import parallelize
 from lightning_hybrid.distributed.pipeline.schedules import (
     V_SHAPED,
     check_batch_splits,
@@ -26,8 +27,8 @@ from lightning_hybrid.distributed.pipeline.schedules import (
 )
 from lightning_hybrid.distributed.pipeline.split import build_stages, plan_stages
 from lightning_hybrid.distributed.pipeline.timer import StageTimer, format_bubble_report, gather_bubble_report
-from lightning_hybrid.distributed.tensor_parallel import loss_parallel_context
-from lightning_hybrid.models.spec import IGNORE_INDEX, ParallelSpec
+from lightning_hybrid.distributed.tensor_parallel import loss_parallel_context, vocab_parallel_loss
+from lightning_hybrid.models.spec import IGNORE_INDEX, ParallelSpec, token_mean_loss
 
 if TYPE_CHECKING:
     from torch.distributed import ProcessGroup
@@ -71,7 +72,9 @@ class PipelineRunner:
 
     Training: forward and backward over all micro-batches (gradients accumulate in the stages'
     parameters). Evaluation: forward only. Every call returns, on every rank, the global mean loss
-    over the label tokens of the global batch (the last stage computes it, the other stages receive it).
+    over the label tokens of the global batch (the last stage computes it, the other stages receive it);
+    each micro-batch's loss is normalized by :func:`~lightning_hybrid.models.spec.token_mean_loss`, as the
+    one-stage path normalizes a rank's.
 
     Args:
         stages: this rank's ``PipelineStage`` objects (the schedule is built over them here).
@@ -107,7 +110,8 @@ class PipelineRunner:
         self.grad_scale = 1.0  # 1 / accumulate_grad_batches, set by the strategy
         # torchft replica groups: averages a group's sums over the groups of the step (identity otherwise)
         self.cross_group: Callable[[Tensor], Tensor] = lambda tensor: tensor
-        self._normalizer = torch.ones(())
+        self._count = torch.ones(())  # the global batch's label tokens (set on the last stage before each step)
+        self._sums: list[Tensor] = []  # this step's label-token loss sums, one per micro-batch
         # entered around every schedule step (the vocabulary-parallel loss's backward runs inside it)
         self.step_context: Callable[[], Any] = contextlib.nullcontext
         cls = schedule_class(schedule_name)
@@ -120,9 +124,10 @@ class PipelineRunner:
         return theoretical_bubble(self.schedule_name, self.pp, self.microbatches, self.virtual_stages)
 
     def loss_fn(self, output: Tensor, target: Tensor) -> Tensor:
-        """Per micro-batch: its label-token loss sum scaled so the gradient is that of the global token mean."""
+        """Per micro-batch: its label-token loss sum as its part of the global token mean (what backward needs)."""
         total, _ = self._loss_sum(output, target)
-        return total * self._normalizer.to(total.device)
+        self._sums.append(total.detach().float())
+        return token_mean_loss(total, self._count.to(total.device), self.dp, self.grad_scale)
 
     def _dp_sum(self, tensor: Tensor) -> Tensor:
         import torch.distributed as dist
@@ -145,6 +150,7 @@ class PipelineRunner:
         kwargs.update(_stage_kwargs(position_ids))
         with torch.inference_mode(False), torch.no_grad(), self._forward_only(), self.step_context():
             output = self.schedule.eval(*args, **kwargs)
+        self._sums = []  # the ignored labels' sums: nothing to report
         return output if self.is_last else None
 
     def _check_batch(self, input_ids: Tensor) -> None:
@@ -161,13 +167,12 @@ class PipelineRunner:
         self._check_batch(input_ids)
         device = input_ids.device
         stats = torch.zeros(2, dtype=torch.float32, device=device)
+        self._sums = []
         if self.is_last:
             count = self.cross_group(self._dp_sum((labels != IGNORE_INDEX).sum().float().reshape(1)))
-            stats[1] = count[0]
-            self._normalizer = self.dp * self.grad_scale / count[0].clamp(min=1.0)
-        losses: list[Tensor] = []
+            stats[1] = self._count = count[0]
         args = (input_ids,) if self.is_first else ()
-        kwargs = {"target": labels, "losses": losses} if self.is_last else {}
+        kwargs = {"target": labels} if self.is_last else {}
         kwargs.update(_stage_kwargs(position_ids))
         if train:
             self.timer.start_step()
@@ -180,8 +185,8 @@ class PipelineRunner:
             with torch.inference_mode(False), torch.no_grad(), self._forward_only(), self.step_context():
                 self.schedule.eval(*args, **kwargs)
         if self.is_last:
-            local = torch.stack([loss.detach().float() for loss in losses]).sum() / self.grad_scale
-            stats[0] = self.cross_group(self._dp_sum(local.reshape(1)))[0] / self.dp
+            total = self.cross_group(self._dp_sum(torch.stack(self._sums).sum().reshape(1)))[0]
+            stats[0] = token_mean_loss(total, self._count)
         src = dist.get_global_rank(self.pp_group, self.last_stage_pp_rank)
         dist.broadcast(stats, src=src, group=self.pp_group)
         return stats[0], stats[0], stats[1]
@@ -196,9 +201,9 @@ def build_pipeline(model: nn.Module, spec: ParallelSpec, options: ParallelOption
                    convert_module: Callable[[nn.Module], Any], num_blocks: int) -> PipelineRunner:
     """Split a meta-device model into stages, parallelize and materialize this rank's, and build the runner.
 
-    The stages' parameters are allocated but not initialized: fill ``runner.container``. With loss parallel the
-    last stage's loss runs on vocabulary shards and the schedule's steps (its backward) inside torch's
-    ``loss_parallel`` context.
+    The stages' parameters are allocated but not initialized: fill ``runner.container``. When the loss runs on
+    vocabulary shards (``options.loss_on_shards``) so does the last stage's, and the schedule's steps (its backward)
+    run inside torch's ``loss_parallel`` context.
 
     Raises:
         ValueError: split points that do not exist, or a model that ties its embedding to its head.
@@ -218,12 +223,12 @@ def build_pipeline(model: nn.Module, spec: ParallelSpec, options: ParallelOption
     timer = StageTimer(device)
     for stage in stages:
         timer.wrap(stage)
-    loss = loss_function(model.loss_sum, options, dims, mesh)
+    on_shards = options.loss_on_shards(dims)
+    loss = vocab_parallel_loss(model.loss_sum, mesh["tp"]) if on_shards else model.loss_sum
     runner = PipelineRunner(stages, loss, options.pp_schedule, options.num_microbatches, pp_group,
-                          mesh["dp_cp"].get_group() if dims.data_ranks > 1 else None, dims.data_ranks, dims.pp,
-                          options.virtual_stages,
-                          timer, container)
-    runner.step_context = functools.partial(loss_parallel_context, options.loss_parallel and dims.tp > 1)
+                            mesh["dp_cp"].get_group() if dims.data_ranks > 1 else None, dims.data_ranks, dims.pp,
+                            options.virtual_stages, timer, container)
+    runner.step_context = functools.partial(loss_parallel_context, on_shards)
     return runner
 
 

@@ -10,12 +10,13 @@ from __future__ import annotations
 
 import copy
 from dataclasses import dataclass
-from typing import Optional, Sequence, Union
-
-from torch import nn
+from typing import TYPE_CHECKING, Optional, Sequence, Union
 
 from lightning_hybrid.distributed.parallel_dims import tied_embedding_error
 from lightning_hybrid.models.spec import ParallelSpec
+
+if TYPE_CHECKING:  # the split is arithmetic (the planner shares plan_stages); the pruning deep-copies modules
+    from torch import nn
 
 __all__ = ["StagePlan", "plan_stages", "prune_to_stage", "build_stages"]
 

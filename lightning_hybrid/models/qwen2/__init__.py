@@ -1,6 +1,23 @@
-"""The Qwen2 / Qwen2.5 architecture: config and presets, single-device model, Hugging Face adapter."""
+"""The Qwen2 / Qwen2.5 architecture: config and presets, single-device model, Hugging Face adapter.
+
+The config's names are torch-free and load at once; the model's (``Qwen2``, ``Qwen2Block``, ``parameter_init``) load
+torch on first use (PEP 562).
+"""
+
+from typing import Any
 
 from lightning_hybrid.models.qwen2.config import PRESETS, Qwen2Config, flops_per_token, parallel_spec
-from lightning_hybrid.models.qwen2.model import Qwen2, Qwen2Block, parameter_init
 
 __all__ = ["PRESETS", "Qwen2", "Qwen2Block", "Qwen2Config", "flops_per_token", "parallel_spec", "parameter_init"]
+
+
+def __getattr__(name: str) -> Any:
+    if name in ("Qwen2", "Qwen2Block", "parameter_init"):
+        from lightning_hybrid.models.qwen2 import model
+
+        return getattr(model, name)
+    raise AttributeError(f"module 'lightning_hybrid.models.qwen2' has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(__all__))

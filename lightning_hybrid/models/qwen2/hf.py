@@ -236,7 +236,7 @@ def _check_tensors(files: SafetensorsFolder, config: Qwen2Config) -> dict[str, t
 
 
 def _parameters(model: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
-    from lightning_hybrid.distributed.init_weights import canonical_name
+    from lightning_hybrid.init_weights import canonical_name
 
     for raw, param in model.named_parameters():
         yield canonical_name(raw), param
@@ -282,7 +282,7 @@ def load_hf_weights(model: nn.Module, path_or_repo: Union[str, Path], config: Qw
         ValueError: ``config.json`` describes another model, a tensor is missing, extra or of the wrong
             shape, or ``model`` has a parameter that is not a Qwen2 weight.
     """
-    from lightning_hybrid.distributed.init_weights import local_region
+    from lightning_hybrid.init_weights import local_region
 
     read_stats.reset()
     folder = resolve_hf_path(path_or_repo)

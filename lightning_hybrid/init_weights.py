@@ -1,21 +1,24 @@
-"""Mesh-independent parameter initialization.
+"""Mesh-independent parameter initialization, keyed by parameter name.
 
 Every parameter is drawn from a random stream keyed by (seed, parameter name, row block), never by
 rank, so a shard holds exactly the values the full tensor would hold at its place: the same seed
 gives the same model on one process and on any tp x pp x dp mesh. A rank generates only the row
 blocks its shard overlaps, one block (about a million values) at a time.
+
+A ground-floor module: the single-device models (:mod:`lightning_hybrid.models`, which initialize and load weights
+by name) and the parallel side (:mod:`lightning_hybrid.distributed`) both use it; it imports neither.
+:func:`local_region` reads a DTensor's shard through torch's DTensor API, imported when a parameter is one.
 """
 
 from __future__ import annotations
 
 import hashlib
-from typing import Any, Callable
+from typing import Callable
 
 import torch
 from torch import Tensor, nn
 
-__all__ = ["init_parameters", "fill_normal_region", "canonical_name", "local_region", "initialize_declared",
-           "move_buffers"]
+__all__ = ["init_parameters", "fill_normal_region", "canonical_name", "local_region"]
 
 _BLOCK_ELEMENTS = 1 << 20
 # Wrappers that insert a level into parameter names: activation checkpointing and torch.compile.
@@ -109,23 +112,3 @@ def init_parameters(module: nn.Module, seed: int, rule: Callable[[str], tuple[st
                 local.copy_(buffer)
         else:
             raise ValueError(f"unknown init kind {kind!r} for parameter {name}; use normal, ones or zeros")
-
-
-def initialize_declared(lightning_module: Any, target: nn.Module, declared: nn.Module, seed: int) -> None:
-    """Fill the materialized shards of ``target``: the LightningModule's ``initialize_parameters(target, seed)``
-    if it has one (``CausalLM`` loads pretrained weights there), else the mesh-independent random initialization
-    with the declared model's ``parameter_init`` rule."""
-    hook = getattr(lightning_module, "initialize_parameters", None)
-    if callable(hook):
-        hook(target, seed)
-    else:
-        init_parameters(target, seed, declared.parameter_init)
-
-
-def move_buffers(module: nn.Module, device: torch.device) -> None:
-    """Move the buffers of ``module`` that are not on ``device`` there (a materialized declared model's parameters
-    are on it already; only buffers built outside the meta device, like rotary tables, may be left behind)."""
-    for sub in module.modules():
-        for key, buf in sub._buffers.items():
-            if buf is not None and buf.device != device:
-                sub._buffers[key] = buf.to(device)
