@@ -1,7 +1,12 @@
 """Architecture rules of ``lightning_hybrid``, read from its source with ``ast``: nothing of the package is imported.
 
 - no import cycle between the package's modules (imports inside functions count too);
-- ``models/`` stays plain model code: no ``torch.distributed``, strategy, checkpoint or planner import;
+- ``models/`` stays plain model code: no ``torch.distributed``, ``lightning_hybrid.distributed``, strategy, checkpoint
+  or planner import;
+- ``planner/`` is arithmetic: no torch or Lightning import at any depth, and of the package only the planner, the
+  model configs, the GPU table and the torch-free part of ``distributed/`` (options, sizes, schedules, stage split),
+  which import no torch or Lightning at module level themselves;
+- nothing outside ``strategy.py`` assigns an attribute on a strategy object or reads one of its private attributes;
 - ``HybridParallelStrategy`` stays small (at most 300 lines) and marks every Lightning override with ``@override``;
 - no function is longer than 60 lines;
 - nothing is unpickled: ``torch.load`` only with ``weights_only=True``, no ``pickle.load``.
@@ -25,8 +30,15 @@ ROOT = Path(__file__).resolve().parents[1] / PACKAGE
 
 MAX_FUNCTION_LINES = 60
 MAX_STRATEGY_LINES = 300
-MODELS_MUST_NOT_IMPORT = ("torch.distributed", "lightning_hybrid.strategy", "lightning_hybrid.checkpoint",
-                          "lightning_hybrid.planner")
+MODELS_MUST_NOT_IMPORT = ("torch.distributed", "lightning_hybrid.distributed", "lightning_hybrid.strategy",
+                          "lightning_hybrid.checkpoint", "lightning_hybrid.planner")
+# What the planner may import of the package besides itself: each of these imports no torch or Lightning at module
+# level (checked below), so `lightning-hybrid plan` stays arithmetic.
+PLANNER_MAY_IMPORT = ("lightning_hybrid.hardware", "lightning_hybrid.recipe_file", "lightning_hybrid.version",
+                      "lightning_hybrid.models.spec", "lightning_hybrid.models.qwen2.config",
+                      "lightning_hybrid.distributed.options", "lightning_hybrid.distributed.parallel_dims",
+                      "lightning_hybrid.distributed.pipeline.schedules", "lightning_hybrid.distributed.pipeline.split")
+FRAMEWORKS = ("torch", "lightning", "lightning_fabric", "pytorch_lightning", "torchmetrics")
 
 
 class Import(NamedTuple):
@@ -215,8 +227,127 @@ def test_models_import_no_distributed_strategy_checkpoint_or_planner_module():
                   f"{'.' + imported.name if imported.name else ''} ({_forbidden(imported)})"
                   for module in modules() if module == f"{PACKAGE}.models" or module.startswith(f"{PACKAGE}.models.")
                   for imported in imports(module) if _forbidden(imported)]
-    assert not violations, ("models/ must stay plain model code (no torch.distributed, strategy, checkpoint or "
-                            "planner import):\n  " + "\n  ".join(violations))
+    assert not violations, ("models/ must stay plain model code (no torch.distributed, lightning_hybrid.distributed, "
+                            "strategy, checkpoint or planner import):\n  " + "\n  ".join(violations))
+
+
+def _is_type_checking(node: ast.AST) -> bool:
+    return isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test)
+
+
+def module_level_imports(module: str) -> list[Import]:
+    """The imports ``module`` runs when it is imported: outside functions and ``if TYPE_CHECKING:`` blocks."""
+    found: list[Import] = []
+
+    def visit(node: ast.AST) -> None:
+        for child in ast.iter_child_nodes(node):
+            if isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda)) or _is_type_checking(child):
+                continue
+            if isinstance(child, (ast.Import, ast.ImportFrom)):
+                found.extend(i for i in imports(module) if i.line == child.lineno)
+            else:
+                visit(child)
+
+    visit(tree(module))
+    return found
+
+
+def _framework(imported: Import) -> bool:
+    return imported.module.split(".")[0] in FRAMEWORKS
+
+
+def _planner_may_import(imported: Import) -> bool:
+    if _framework(imported):
+        return False
+    target = internal_target(imported)
+    return target is None or target.startswith(f"{PACKAGE}.planner") or target in PLANNER_MAY_IMPORT
+
+
+def test_planner_imports_neither_torch_nor_lightning_nor_more_of_the_package_than_arithmetic():
+    planner = [m for m in modules() if m == f"{PACKAGE}.planner" or m.startswith(f"{PACKAGE}.planner.")]
+    violations = [f"{module}:{imported.line} imports {imported.module}{'.' + imported.name if imported.name else ''}"
+                  for module in planner for imported in imports(module) if not _planner_may_import(imported)]
+    # what the planner may import must itself load no framework (and nothing else of the package) when imported
+    violations += [f"{module} does not exist" for module in PLANNER_MAY_IMPORT if module not in modules()]
+    violations += [f"{module}:{imported.line} imports {imported.module} at module level"
+                   for module in PLANNER_MAY_IMPORT if module in modules() for imported in module_level_imports(module)
+                   if _framework(imported) or (imported.module.startswith(PACKAGE)
+                                               and internal_target(imported) not in PLANNER_MAY_IMPORT)]
+    assert not violations, ("the planner is arithmetic (no torch, no Lightning, no mesh; see DESIGN.md's rooms):\n  "
+                            + "\n  ".join(violations))
+
+
+# ------------------------------------------------------------------------------------------------ the strategy's state
+
+STRATEGY_NAMES = ("strategy", "_strategy")  # names (variables, attributes, calls) that hold a strategy
+STRATEGY_TYPES = ("HybridParallelStrategy", "DeclaredHost", "AutoHost", "ReplicaGroupMember")  # parameter annotations
+
+
+def _chain(node: ast.AST) -> list[str]:
+    """``a.b().c`` -> ``["a", "b", "c"]``: the names an attribute access goes through, calls included."""
+    names: list[str] = []
+    while True:
+        if isinstance(node, ast.Attribute):
+            names.append(node.attr)
+            node = node.value
+        elif isinstance(node, ast.Call):
+            node = node.func
+        elif isinstance(node, ast.Subscript):
+            node = node.value
+        else:
+            break
+    if isinstance(node, ast.Name):
+        names.append(node.id)
+    return names[::-1]
+
+
+def strategy_state_access(parsed: ast.Module, module: str) -> list[str]:
+    """``module:line what`` for every attribute assigned on a strategy object and every private attribute read off
+    one: through a name in :data:`STRATEGY_NAMES` (``strategy.x = 1``, ``trainer.strategy.guard.on = 1``,
+    ``setattr(strategy, ...)``, ``strategy._spec``) or a parameter annotated with a strategy type."""
+    typed = {arg.arg for node in ast.walk(parsed) if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef))
+             for arg in node.args.args + node.args.kwonlyargs
+             if arg.annotation is not None and any(t in ast.unparse(arg.annotation) for t in STRATEGY_TYPES)}
+    refs = set(STRATEGY_NAMES) | typed
+    found = []
+    for node in ast.walk(parsed):
+        targets: list[ast.AST] = []
+        if isinstance(node, ast.Assign):
+            targets = list(node.targets)
+        elif isinstance(node, (ast.AugAssign, ast.AnnAssign)):
+            targets = [node.target]
+        for target in [e for t in targets for e in (t.elts if isinstance(t, ast.Tuple) else [t])]:
+            if isinstance(target, ast.Attribute) and refs & set(_chain(target)[:-1]):
+                found.append(f"{module}:{node.lineno} assigns {ast.unparse(target)}")
+        if isinstance(node, ast.Call) and getattr(node.func, "id", None) in ("setattr", "delattr") and node.args \
+                and refs & set(_chain(node.args[0])):
+            found.append(f"{module}:{node.lineno} {ast.unparse(node)}")
+        if isinstance(node, ast.Attribute) and isinstance(node.ctx, ast.Load) and node.attr.startswith("_") \
+                and not node.attr.startswith("__") and (_chain(node.value)[-1:] or [""])[0] in refs:
+            found.append(f"{module}:{node.lineno} reads {ast.unparse(node)}")
+    return found
+
+
+def test_nothing_outside_the_strategy_writes_into_it_or_reads_its_private_state():
+    found = [line for module in modules() if module != f"{PACKAGE}.strategy"
+             for line in strategy_state_access(tree(module), module)]
+    assert not found, ("only strategy.py sets the strategy's attributes or reads its private ones; return what a "
+                       "module made and let the strategy's hook keep it:\n  " + "\n  ".join(found))
+
+
+@pytest.mark.parametrize("source, expected", [
+    ("strategy.pipeline = runner\n", 1),
+    ("trainer.strategy.step_guard.active = True\n", 1),
+    ("a, strategy.x = 1, 2\n", 1),
+    ("setattr(trainer.strategy, 'x', 1)\n", 1),
+    ("spec = strategy._spec\n", 1),
+    ("timeout = self.trainer.strategy._timeout\n", 1),
+    ("def f(host: 'DeclaredHost'):\n    host.x = 1\n    return host._spec\n", 2),
+    ("strategy.enable_step_skips()\nrunner = strategy.pipeline\nrunner.cross_group = f\n", 0),
+    ("self.strategy_name = 'x'\nstrategy = make()\n", 0),
+])
+def test_the_strategy_state_check_finds_what_it_should(source, expected):
+    assert len(strategy_state_access(ast.parse(source), "example")) == expected
 
 
 # ------------------------------------------------------------------------------------------------ the strategy
