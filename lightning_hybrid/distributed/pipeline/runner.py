@@ -111,7 +111,6 @@ class PipelineRunner:
         # torchft replica groups: averages a group's sums over the groups of the step (identity otherwise)
         self.cross_group: Callable[[Tensor], Tensor] = lambda tensor: tensor
         self._count = torch.ones(())  # the global batch's label tokens (set on the last stage before each step)
-        self._sums: list[Tensor] = []  # this step's label-token loss sums, one per micro-batch
         # entered around every schedule step (the vocabulary-parallel loss's backward runs inside it)
         self.step_context: Callable[[], Any] = contextlib.nullcontext
         cls = schedule_class(schedule_name)
@@ -124,9 +123,9 @@ class PipelineRunner:
         return theoretical_bubble(self.schedule_name, self.pp, self.microbatches, self.virtual_stages)
 
     def loss_fn(self, output: Tensor, target: Tensor) -> Tensor:
-        """Per micro-batch: its label-token loss sum as its part of the global token mean (what backward needs)."""
+        """Per micro-batch: its label-token loss sum as its part of the global token mean, times ``dp`` and the
+        accumulation's ``grad_scale`` (:func:`~lightning_hybrid.models.spec.token_mean_loss`): what backward needs."""
         total, _ = self._loss_sum(output, target)
-        self._sums.append(total.detach().float())
         return token_mean_loss(total, self._count.to(total.device), self.dp, self.grad_scale)
 
     def _dp_sum(self, tensor: Tensor) -> Tensor:
@@ -150,7 +149,6 @@ class PipelineRunner:
         kwargs.update(_stage_kwargs(position_ids))
         with torch.inference_mode(False), torch.no_grad(), self._forward_only(), self.step_context():
             output = self.schedule.eval(*args, **kwargs)
-        self._sums = []  # the ignored labels' sums: nothing to report
         return output if self.is_last else None
 
     def _check_batch(self, input_ids: Tensor) -> None:
@@ -167,12 +165,12 @@ class PipelineRunner:
         self._check_batch(input_ids)
         device = input_ids.device
         stats = torch.zeros(2, dtype=torch.float32, device=device)
-        self._sums = []
         if self.is_last:
             count = self.cross_group(self._dp_sum((labels != IGNORE_INDEX).sum().float().reshape(1)))
             stats[1] = self._count = count[0]
+        losses: list[Tensor] = []  # the schedule's loss_fn values of this step's micro-batches
         args = (input_ids,) if self.is_first else ()
-        kwargs = {"target": labels} if self.is_last else {}
+        kwargs = {"target": labels, "losses": losses} if self.is_last else {}
         kwargs.update(_stage_kwargs(position_ids))
         if train:
             self.timer.start_step()
@@ -184,9 +182,9 @@ class PipelineRunner:
             # later training step, so run forward-only under no_grad instead.
             with torch.inference_mode(False), torch.no_grad(), self._forward_only(), self.step_context():
                 self.schedule.eval(*args, **kwargs)
-        if self.is_last:
-            total = self.cross_group(self._dp_sum(torch.stack(self._sums).sum().reshape(1)))[0]
-            stats[0] = token_mean_loss(total, self._count)
+        if self.is_last:  # the micro-batches' parts of the global mean, without the gradient's dp x grad_scale
+            local = torch.stack([loss.detach().float() for loss in losses]).sum() / self.grad_scale
+            stats[0] = self.cross_group(self._dp_sum(local.reshape(1)))[0] / self.dp
         src = dist.get_global_rank(self.pp_group, self.last_stage_pp_rank)
         dist.broadcast(stats, src=src, group=self.pp_group)
         return stats[0], stats[0], stats[1]
