@@ -128,7 +128,7 @@ def check_before_launch(trainer: Any, model: Any, datamodule: Any, ckpt_path: Op
     """
     from lightning_hybrid.callbacks.fault_tolerant import FaultTolerantCheckpoint
     from lightning_hybrid.distributed.context_parallel import check_sequence_length
-    from lightning_hybrid.distributed.options import check_options
+    from lightning_hybrid.distributed.option_checks import check_options
     from lightning_hybrid.distributed.pipeline.schedules import check_batch_splits
     from lightning_hybrid.strategy import HybridParallelStrategy
 

@@ -280,7 +280,7 @@ def test_planner_imports_neither_torch_nor_lightning_nor_more_of_the_package_tha
 # ------------------------------------------------------------------------------------------------ the strategy's state
 
 STRATEGY_NAMES = ("strategy", "_strategy")  # names (variables, attributes, calls) that hold a strategy
-STRATEGY_TYPES = ("HybridParallelStrategy", "DeclaredHost", "AutoHost", "ReplicaGroupMember")  # parameter annotations
+STRATEGY_TYPES = ("HybridParallelStrategy", "StrategyHost")  # parameter annotations naming a strategy
 
 
 def _chain(node: ast.AST) -> list[str]:
@@ -342,7 +342,7 @@ def test_nothing_outside_the_strategy_writes_into_it_or_reads_its_private_state(
     ("setattr(trainer.strategy, 'x', 1)\n", 1),
     ("spec = strategy._spec\n", 1),
     ("timeout = self.trainer.strategy._timeout\n", 1),
-    ("def f(host: 'DeclaredHost'):\n    host.x = 1\n    return host._spec\n", 2),
+    ("def f(host: 'StrategyHost'):\n    host.x = 1\n    return host._spec\n", 2),
     ("strategy.enable_step_skips()\nrunner = strategy.pipeline\nrunner.cross_group = f\n", 0),
     ("self.strategy_name = 'x'\nstrategy = make()\n", 0),
 ])

@@ -14,7 +14,8 @@ from lightning_hybrid.distributed.context_parallel import (
     sequence_positions,
     shard_sequences,
 )
-from lightning_hybrid.distributed.options import ParallelOptions, check_options
+from lightning_hybrid.distributed.option_checks import check_options
+from lightning_hybrid.distributed.options import ParallelOptions
 from lightning_hybrid.distributed.parallel_dims import ParallelDims
 from lightning_hybrid.models import Qwen2Config
 from lightning_hybrid.models.qwen2.config import parallel_spec

@@ -288,7 +288,7 @@ def test_unknown_float8_value_is_one_line():
 
 
 def test_float8_needs_bf16_precision():
-    from lightning_hybrid.distributed.options import float8_error
+    from lightning_hybrid.distributed.option_checks import float8_error
 
     message = float8_error("rowwise", "32-true", object(), "CausalLM")
     assert "\n" not in message and "precision='bf16-mixed' or 'bf16-true'" in message and "32-true" in message
@@ -301,7 +301,7 @@ def test_float8_with_32_true_fails_before_training():
 
 
 def test_mxfp8_with_bf16_mixed_needs_fsdp():
-    from lightning_hybrid.distributed.options import float8_error
+    from lightning_hybrid.distributed.option_checks import float8_error
 
     assert float8_error("mxfp8", "bf16-mixed", object(), "CausalLM", fsdp=True) is None
     assert float8_error("mxfp8", "bf16-mixed", object(), "CausalLM", fsdp=False) == (
@@ -312,7 +312,7 @@ def test_mxfp8_with_bf16_mixed_needs_fsdp():
 def test_torchao_missing_names_the_extra(monkeypatch):
     import sys
 
-    from lightning_hybrid.distributed.options import float8_error
+    from lightning_hybrid.distributed.option_checks import float8_error
 
     monkeypatch.setitem(sys.modules, "torchao.float8", None)  # import torchao.float8 then raises ImportError
     message = float8_error("rowwise", "bf16-true", object(), "CausalLM")

@@ -13,11 +13,13 @@ from __future__ import annotations
 import logging
 from datetime import timedelta
 from pathlib import Path
-from typing import Any, Optional, Protocol
+from typing import Any, Optional
 
 from lightning_hybrid.checkpoint.manifest import MANIFEST, committed_checkpoints
 from lightning_hybrid.checkpoint.storage import checkpoint_path
-from lightning_hybrid.distributed.options import ParallelOptions, check_options
+from lightning_hybrid.distributed.host import StrategyHost
+from lightning_hybrid.distributed.option_checks import check_options
+from lightning_hybrid.distributed.options import ParallelOptions
 from lightning_hybrid.distributed.parallel_dims import ParallelDims
 from lightning_hybrid.models.spec import ParallelSpec
 from lightning_hybrid.planner.auto import (
@@ -31,29 +33,10 @@ from lightning_hybrid.planner.auto import (
 )
 from lightning_hybrid.planner.calibrate import DeviceFigures, local_hardware
 
-__all__ = ["AutoHost", "auto_fields", "check_request", "check_strategy_request", "resolve_auto", "resume_folder",
+__all__ = ["auto_fields", "check_request", "check_strategy_request", "resolve_auto", "resume_folder",
            "resume_layout", "training_shape", "device_figures"]
 
 log = logging.getLogger(__name__)
-
-
-class AutoHost(Protocol):
-    """What the auto layout reads of the strategy: its options and public attributes of a Lightning strategy."""
-
-    options: ParallelOptions
-    preflight: bool
-
-    @property
-    def lightning_module(self) -> Any: ...
-
-    @property
-    def num_nodes(self) -> int: ...
-
-    @property
-    def num_processes(self) -> int: ...
-
-    @property
-    def root_device(self) -> Any: ...
 
 
 def training_shape(datamodule: Any, dataloader: Any) -> TrainingShape:
@@ -125,7 +108,7 @@ def _data(trainer: Any) -> tuple[Any, Any]:
     return None, source
 
 
-def check_strategy_request(host: AutoHost, spec: Optional[ParallelSpec]) -> None:
+def check_strategy_request(host: StrategyHost, spec: Optional[ParallelSpec]) -> None:
     """All checks of a strategy's auto request that need no collective (identical on every rank).
 
     Raises:
@@ -134,7 +117,7 @@ def check_strategy_request(host: AutoHost, spec: Optional[ParallelSpec]) -> None
     _request_shape(host, spec)
 
 
-def check_request(host: AutoHost, spec: Optional[ParallelSpec], precision: str) -> Optional[ParallelDims]:
+def check_request(host: StrategyHost, spec: Optional[ParallelSpec], precision: str) -> Optional[ParallelDims]:
     """The strategy's layout request checked before any collective, identical on every rank: the sizes it resolves
     to (:func:`~lightning_hybrid.distributed.options.check_options`), or ``None`` when an option is ``"auto"`` (then
     :func:`check_strategy_request`'s checks; :func:`resolve_auto` plans it once the process group exists).
@@ -151,7 +134,7 @@ def check_request(host: AutoHost, spec: Optional[ParallelSpec], precision: str) 
                          module.num_blocks() if spec is not None else None, precision, type(module).__name__)
 
 
-def _request_shape(host: AutoHost, spec: Optional[ParallelSpec]) -> TrainingShape:
+def _request_shape(host: StrategyHost, spec: Optional[ParallelSpec]) -> TrainingShape:
     """All checks of a strategy's auto request that need no collective; the training shape it plans for.
 
     Raises:
@@ -177,7 +160,7 @@ def device_figures(device: Any) -> DeviceFigures:
     return DeviceFigures(getattr(device, "type", str(device)), matmul_tflops=matmul, copy_tbs=copy)
 
 
-def _preflight(host: AutoHost, timeout: Optional[timedelta]) -> dict[str, Any]:
+def _preflight(host: StrategyHost, timeout: Optional[timedelta]) -> dict[str, Any]:
     """Measure links and matmul on a provisional mesh (TP over a node's devices, DP over nodes); every rank."""
     from lightning_hybrid.distributed.mesh import build_mesh
     from lightning_hybrid.preflight.links import PREFLIGHT_MAX_BYTES, run_preflight
@@ -195,7 +178,7 @@ def _plan_on_rank_zero(request: AutoRequest, device: Any, calibration: Optional[
     return plan_request(request, hw, time_model, described, resume_layout(request.resume_folder))
 
 
-def resolve_auto(host: AutoHost, spec: Optional[ParallelSpec], precision: str,
+def resolve_auto(host: StrategyHost, spec: Optional[ParallelSpec], precision: str,
                  timeout: Optional[timedelta]) -> tuple[ParallelOptions, ParallelDims, AutoPlan]:
     """Resolve a strategy's ``"auto"`` options after its process group exists; the same answer on every rank.
 

@@ -5,23 +5,18 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, NamedTuple, Optional, Protocol
+from typing import Any, NamedTuple, Optional
 
 from torch import nn
 
 from lightning_hybrid.distributed.data_parallel import StepWeightCasts
-from lightning_hybrid.distributed.options import ParallelOptions
-from lightning_hybrid.distributed.parallel_dims import ParallelDims
+from lightning_hybrid.distributed.host import StrategyHost
 from lightning_hybrid.distributed.parallelize import parallelize, require_meta, setup_runtime
 from lightning_hybrid.distributed.pipeline.runner import PipelineRunner, build_pipeline
 from lightning_hybrid.init_weights import init_parameters
 from lightning_hybrid.models.spec import ParallelSpec
 
-if TYPE_CHECKING:
-    import torch
-    from torch.distributed.device_mesh import DeviceMesh
-
-__all__ = ["Parallelized", "DeclaredHost", "declared_model", "parallelize_declared", "initialize_declared"]
+__all__ = ["Parallelized", "declared_model", "parallelize_declared", "initialize_declared"]
 
 
 class Parallelized(NamedTuple):
@@ -36,32 +31,6 @@ class Parallelized(NamedTuple):
     pipeline: Optional[PipelineRunner]
     weight_casts: Optional[StepWeightCasts]
     loss_on_shards: bool
-
-
-class DeclaredHost(Protocol):
-    """What :func:`parallelize_declared` reads of the strategy: public attributes of a Lightning strategy."""
-
-    options: ParallelOptions
-
-    @property
-    def lightning_module(self) -> Any: ...
-
-    @property
-    def dims(self) -> ParallelDims: ...
-
-    @property
-    def device_mesh(self) -> "DeviceMesh": ...
-
-    @property
-    def root_device(self) -> "torch.device": ...
-
-    @property
-    def precision_plugin(self) -> Any: ...
-
-    @property
-    def global_rank(self) -> int: ...
-
-    def broadcast(self, obj: Any, src: int = 0) -> Any: ...
 
 
 def declared_model(module: Any) -> nn.Module:
@@ -91,7 +60,7 @@ def initialize_declared(lightning_module: Any, target: nn.Module, declared: nn.M
         init_parameters(target, seed, declared.parameter_init)
 
 
-def parallelize_declared(host: DeclaredHost, model: nn.Module, spec: ParallelSpec, precision: str) -> Parallelized:
+def parallelize_declared(host: StrategyHost, model: nn.Module, spec: ParallelSpec, precision: str) -> Parallelized:
     """Parallelize and materialize ``model`` (or this rank's pipeline stages) for ``host``'s mesh, initialize it
     mesh-independently from the broadcast seed, then set up the runtime features (bf16 weight copies, loss on
     vocabulary shards). The module's ``model`` becomes the pipeline's container under pp > 1.

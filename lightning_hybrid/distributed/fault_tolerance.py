@@ -26,7 +26,7 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import TYPE_CHECKING, Any, Callable, Mapping, Optional, Protocol
+from typing import TYPE_CHECKING, Any, Callable, Mapping, Optional
 
 import torch
 from torch import Tensor
@@ -34,9 +34,10 @@ from torch import Tensor
 if TYPE_CHECKING:
     from torch import nn
 
+    from lightning_hybrid.distributed.host import StrategyHost
+
 __all__ = ["FAULT_TOLERANCE", "ENV_GROUP", "ENV_GROUPS", "ENV_LIGHTHOUSE", "ReplicaGroupEnv", "ReplicaGroups",
-           "check_fault_tolerance", "require_torchft", "data_share", "join_replica_groups", "JoinedGroups",
-           "ReplicaGroupMember"]
+           "check_fault_tolerance", "require_torchft", "data_share", "join_replica_groups", "JoinedGroups"]
 
 FAULT_TOLERANCE = ("torchft",)
 ENV_GROUP, ENV_GROUPS, ENV_LIGHTHOUSE = "REPLICA_GROUP_ID", "NUM_REPLICA_GROUPS", "TORCHFT_LIGHTHOUSE"
@@ -350,27 +351,6 @@ def data_share(env: Optional[ReplicaGroupEnv], dp: int, dp_rank: int) -> dict[st
     return {"num_replicas": env.num_groups * dp, "rank": env.group_id * dp + dp_rank}
 
 
-class ReplicaGroupMember(Protocol):
-    """What :func:`join_replica_groups` reads of the strategy: its public side."""
-
-    replica_group_env: Optional[ReplicaGroupEnv]
-    ft_timeout: float
-
-    @property
-    def lightning_module(self) -> Any: ...
-
-    @property
-    def optimizers(self) -> list[Any]: ...
-
-    @property
-    def global_rank(self) -> int: ...
-
-    @property
-    def world_size(self) -> int: ...
-
-    def checkpoint_context(self) -> Any: ...
-
-
 @dataclass
 class JoinedGroups:
     """What joining decided: the groups, whether this group healed from a live peer (a restarted one: its
@@ -381,7 +361,7 @@ class JoinedGroups:
     resume_position: Optional[dict[str, int]] = None
 
 
-def join_replica_groups(member: ReplicaGroupMember, trainer: Any, backend: str, timeout: Optional[timedelta],
+def join_replica_groups(member: "StrategyHost", trainer: Any, backend: str, timeout: Optional[timedelta],
                         pipeline: Optional[Any] = None) -> JoinedGroups:
     """Start torchft's manager for ``member``'s rank and join the first quorum; a group that is behind a live peer
     (a restarted one) heals here, before the fit loop: weights and optimizer at once, Lightning's loops, callbacks

@@ -63,7 +63,8 @@ def _check(job: DryRunJob) -> tuple[Any, Any, Any, Any]:
     Raises:
         ValueError: the strategy's one-line message.
     """
-    from lightning_hybrid.distributed.options import ParallelOptions, check_options
+    from lightning_hybrid.distributed.option_checks import check_options
+    from lightning_hybrid.distributed.options import ParallelOptions
     from lightning_hybrid.distributed.pipeline.schedules import check_batch_splits
     from lightning_hybrid.models.qwen2.config import Qwen2Config, parallel_spec
 
