@@ -38,8 +38,10 @@ __all__ = ["ForkServer", "fork_server"]
 
 # What the server imports before it forks: the modules every launched worker and CLI process imports anyway (not
 # optional extras such as torchao or transformers, whose import registers things a run without them would not have).
-PRELOAD = ("lightning_hybrid.cli", "lightning_hybrid.strategy", "torch.distributed.checkpoint",
-           "torch.distributed.pipelining", "torch.distributed.tensor.parallel", "torch.distributed.fsdp")
+# The package's root imports lazily (the planner loads no torch): its callbacks and CausalLM are named here.
+PRELOAD = ("lightning_hybrid.cli", "lightning_hybrid.strategy", "lightning_hybrid.callbacks",
+           "lightning_hybrid.models.causal_lm", "torch.distributed.checkpoint", "torch.distributed.pipelining",
+           "torch.distributed.tensor.parallel", "torch.distributed.fsdp")
 TESTS = Path(__file__).resolve().parents[1]  # on the server's path: launched scripts import helpers, user_module
 
 
