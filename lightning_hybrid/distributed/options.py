@@ -1,12 +1,13 @@
-"""The strategy's options: what the user chose, every check of it, and each decision derived from it, written once.
+"""The strategy's options: what the user chose, the check of each value, and each decision derived from them, once.
 
 :class:`ParallelOptions` holds the layout and runtime arguments of :class:`~lightning_hybrid.HybridParallelStrategy`,
-validated on construction (every rank raises alike, before any collective);
-:func:`~lightning_hybrid.distributed.option_checks.check_options` checks them against the world and the model at
-setup, still before any collective. Each decision the options imply is one method
-here (:meth:`ParallelOptions.loss_on_shards`, :meth:`~ParallelOptions.shards_parameters`,
-:meth:`~ParallelOptions.reshards_after_forward`, :meth:`~ParallelOptions.compute_weights`,
-:meth:`~ParallelOptions.reduction_dtype`, :meth:`~ParallelOptions.num_microbatches`, :meth:`~ParallelOptions.layout`),
+each value checked on construction (every rank raises alike, before any collective; the one-line messages are here);
+:func:`~lightning_hybrid.distributed.option_checks.check_options` checks them together against the world and the
+model at setup, still before any collective. Each decision the options imply is one method here
+(:meth:`~ParallelOptions.loss_on_shards`, :meth:`~ParallelOptions.shards_parameters`,
+:meth:`~ParallelOptions.replicates_gradients`, :meth:`~ParallelOptions.reshards_after_forward`,
+:meth:`~ParallelOptions.compute_weights`, :meth:`~ParallelOptions.param_dtype`,
+:meth:`~ParallelOptions.reduction_dtype`, :attr:`~ParallelOptions.num_microbatches`, :meth:`~ParallelOptions.layout`),
 so the strategy, the parallelize sequence, the pipeline, the planner, the CLI and the dry run read one answer.
 
 This module imports no torch: the planner (pure arithmetic) and ``lightning-hybrid plan`` share it. Dtypes are named
