@@ -130,6 +130,7 @@ def check_before_launch(trainer: Any, model: Any, datamodule: Any, ckpt_path: Op
     from lightning_hybrid.distributed.context_parallel import check_sequence_length
     from lightning_hybrid.distributed.option_checks import check_options
     from lightning_hybrid.distributed.pipeline.schedules import check_batch_splits
+    from lightning_hybrid.planner.auto import auto_fields
     from lightning_hybrid.strategy import HybridParallelStrategy
 
     check_files(model, ckpt_path)
@@ -141,10 +142,11 @@ def check_before_launch(trainer: Any, model: Any, datamodule: Any, ckpt_path: Op
     spec = declared_spec(model)
     devices = trainer.num_devices
     options = strategy.options
-    check_options(options, devices * trainer.num_nodes, devices if trainer.num_nodes > 1 else None, spec,
-                  model.num_blocks() if spec is not None else None, str(trainer.precision), type(model).__name__)
+    if not auto_fields(options):  # an "auto" layout is planned and checked at setup, once the world is known
+        check_options(options, devices * trainer.num_nodes, devices if trainer.num_nodes > 1 else None, spec,
+                      model.num_blocks() if spec is not None else None, str(trainer.precision), type(model).__name__)
     batch = getattr(getattr(datamodule, "hparams", None), "batch_size", None)
-    if options.pp > 1 and isinstance(batch, int):
+    if isinstance(options.pp, int) and options.pp > 1 and isinstance(batch, int) and options.microbatches != "auto":
         check_batch_splits(batch, options.num_microbatches)
     seq_len = getattr(getattr(datamodule, "hparams", None), "seq_len", None)
     if options.cp > 1 and isinstance(seq_len, int):

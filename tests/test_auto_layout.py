@@ -12,6 +12,7 @@ from helpers.compare import TOL, assert_trains_like
 from helpers.launch import run_workers
 from lightning_hybrid import HybridParallelStrategy
 from lightning_hybrid.distributed.options import ParallelOptions
+from lightning_hybrid.distributed.parallel_dims import ParallelSizeError
 from lightning_hybrid.models import CausalLM, Qwen2Config
 from lightning_hybrid.planner.auto import TrainingShape, apply_layout, check_auto_request, plan_layout
 from lightning_hybrid.planner.calibrate import calibrate_hardware, cpu_gpu_entry
@@ -155,3 +156,16 @@ def test_auto_options_are_validated_on_construction():
     with pytest.raises(ValueError, match=r"tp='Auto2' must be a positive integer or 'auto'"):
         HybridParallelStrategy(tp="Auto2")
     assert HybridParallelStrategy(tp="AUTO").options.tp == "auto"
+
+
+def test_the_cli_pre_launch_check_leaves_an_auto_layout_to_setup():
+    """`lightning-hybrid fit` with `tp: auto` reached check_options before launch, which refused 'auto' as a size."""
+    from lightning_hybrid.cli import check_before_launch
+
+    trainer = L.Trainer(strategy=HybridParallelStrategy(**AUTO, microbatches="auto"), accelerator="cpu", devices=4,
+                        logger=False, enable_checkpointing=False)
+    check_before_launch(trainer, CausalLM("tiny"), None)  # nothing to refuse: planned at setup
+    trainer = L.Trainer(strategy=HybridParallelStrategy(tp=3), accelerator="cpu", devices=4, logger=False,
+                        enable_checkpointing=False)
+    with pytest.raises(ParallelSizeError, match=r"tp\*pp=3\*1=3"):
+        check_before_launch(trainer, CausalLM("tiny"), None)  # fixed sizes are still checked before launch
