@@ -58,7 +58,7 @@ def fit(folder: Path, with_eval: bool) -> tuple[L.Trainer, CausalLM, dict]:
     callbacks: list = [losses, probe]
     if with_eval:
         evaluation = DownstreamEval(tasks=["tiny_mc"], every_n_steps=2, include_path=str(folder / "tasks"),
-                                    tokenizer=str(folder / "tokenizer"), max_length=MAX_LENGTH)
+                                    tokenizer=str(folder / "tokenizer"), max_length=MAX_LENGTH, batch_size=16)
         callbacks.insert(0, evaluation)  # its time falls inside the probe's step (reported apart below)
     trainer = L.Trainer(strategy=HybridParallelStrategy(tp=2, pp=2), devices=4, callbacks=callbacks,
                         **make_trainer_kwargs()["trainer"])

@@ -88,7 +88,7 @@ def cli_output(folder: Path, mesh: str) -> tuple[dict, dict]:
 def _harness(lm, folder: Path) -> tuple[dict, dict]:
     from lightning_hybrid.eval.tasks import evaluate_tasks, resolve_tasks
 
-    results, samples = evaluate_tasks(lm, TASKS, resolve_tasks(TASKS, str(folder / "tasks")), log_samples=True,
+    results, samples = evaluate_tasks(lm, resolve_tasks(TASKS, str(folder / "tasks")), log_samples=True,
                                       bootstrap_iters=0)
     return results, answers(samples)
 
@@ -166,7 +166,7 @@ def test_in_loop_evaluation_at_tp2_pp2_changes_nothing(launched):
     assert torch.equal(evaluated["rng"]["torch"], plain["rng"]["torch"])  # the harness seeds; the states come back
     assert evaluated["rng"]["python"] == plain["rng"]["python"] and evaluated["rng"]["numpy"] == plain["rng"]["numpy"]
     steps = sorted(plain["step_seconds"][1:])
-    print(f"\nin-loop evaluation at tp=2 x pp=2 (4 processes, tiny_mc: 48 requests): "
+    print(f"\nin-loop evaluation at tp=2 x pp=2 (4 processes, tiny_mc: 48 requests, 16 rows per pass): "
           f"{[round(h['seconds'], 2) for h in evaluated['history']]} s per run, "
           f"{evaluated['history'][0]['forward_passes']} forward passes; a training step {steps[len(steps) // 2]:.2f} s "
           f"(median of steps 2-4); worker phases {({k: round(v, 1) for k, v in launched['seconds'].items()})}")
@@ -253,6 +253,9 @@ def test_in_loop_evaluation_on_one_process_changes_nothing_bitwise(folder, offli
     assert monitor["throughput/eval_time"] == pytest.approx(history[-1]["seconds"], rel=1e-9)
     assert monitor["throughput/step_time"] < history[-1]["seconds"]
     assert plain["monitor"]["throughput/eval_time"] == 0.0
+    print(f"\nin-loop evaluation on one process (tiny_mc + tiny_gen: 48 + 5 requests): "
+          f"{[round(h['seconds'], 3) for h in history]} s per run, {history[-1]['forward_passes']} forward passes; "
+          f"a training step {plain['monitor']['throughput/step_time']:.3f} s")
 
 
 # ---------------------------------------------------------------------------------------------------- bad input
@@ -305,7 +308,8 @@ def test_no_tokenizer_and_bad_numbers_are_one_line(folder, capsys, offline):
 
     code, err = _eval_cli(["--config", str(folder / "recipe.yaml"), "--tasks", "tiny_mc", "--include_path",
                            str(folder / "tasks")], capsys)
-    assert code == 2 and "has no tokenizer: pass the model's Hugging Face tokenizer" in err, err
+    assert code == 2 and "the model has no tokenizer: pass the model's Hugging Face tokenizer (a folder or repo id) " \
+        "as --tokenizer PATH, or load the model with --model.init_from_hf DIR" in err, err
     code, err = _eval_cli(["--tasks", "tiny_mc", "--limit", "-3"], capsys)
     assert code == 2 and "limit=-3.0 must be a number of documents" in err, err
     code, err = _eval_cli(["--config", str(folder / "recipe.yaml")], capsys)
@@ -333,3 +337,25 @@ def test_only_the_harness_adapter_imports_lm_eval_and_nothing_imports_it_at_modu
                 offenders.append(f"{path.relative_to(root)}: {bad}")
     assert not offenders, offenders
     assert "from lm_eval" in (root / "eval" / "harness.py").read_text()
+
+
+def test_the_72b_recipe_carries_a_commented_downstream_eval_block_with_its_predicted_time():
+    import inspect
+
+    import yaml
+
+    from lightning_hybrid.eval import DownstreamEval
+
+    text = (TESTS.parent / "recipes" / "qwen2.5-72b-pretrain.yaml").read_text().splitlines()
+    start = next(i for i, line in enumerate(text) if "# - class_path: lightning_hybrid.eval.DownstreamEval" in line)
+    block = [text[start]]
+    for line in text[start + 1:]:
+        if not line.startswith("    #   "):
+            break
+        block.append(line)
+    (entry,) = yaml.safe_load("\n".join(line.replace("    # ", "", 1) for line in block))
+    arguments = entry["init_args"]
+    assert set(arguments) <= set(inspect.signature(DownstreamEval).parameters), arguments
+    assert arguments["tasks"] and arguments["every_n_steps"] >= 1 and arguments["limit"] >= 1
+    comment = " ".join(text[start - 8:start])
+    assert "predicted from the planner's forward-pass time" in comment and "benchmarks/eval_time.py" in comment

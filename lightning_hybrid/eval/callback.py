@@ -78,7 +78,7 @@ class DownstreamEval(pl.Callback):
         self.include_path, self.tokenizer = include_path, tokenizer
         self.batch_size, self.max_length, self.max_gen_toks = batch_size, max_length, max_gen_toks
         self.bootstrap_iters, self.at_fit_end = bootstrap_iters, at_fit_end
-        self.task_manager = resolve_tasks(self.tasks, include_path)
+        self.harness_tasks = resolve_tasks(self.tasks, include_path, num_fewshot)  # loaded once, reused by every run
         self.history: list[dict[str, Any]] = []  # per run: step, seconds, metrics, forward passes
         self._tokenizer: Any = None
         self._lm: Any = None
@@ -87,7 +87,8 @@ class DownstreamEval(pl.Callback):
     def setup(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", stage: str) -> None:
         if stage == "fit" and self._tokenizer is None:  # every rank, before any collective of an evaluation
             source = self.tokenizer or getattr(pl_module, "hparams", {}).get("init_from_hf")
-            self._tokenizer = load_tokenizer(source, "DownstreamEval")
+            self._tokenizer = load_tokenizer(source, "DownstreamEval", "DownstreamEval(tokenizer=...)",
+                                             "CausalLM(init_from_hf=...)")
 
     def on_train_start(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
         self._seen_step = trainer.global_step  # after a resume: evaluate from the next multiple on
@@ -116,8 +117,8 @@ class DownstreamEval(pl.Callback):
         start = _now(pl_module.device)
         passes = self._lm.scorer.forward_passes
         with evaluation_mode(pl_module):
-            results, _ = evaluate_tasks(self._lm, self.tasks, self.task_manager, self.limit, self.num_fewshot,
-                                        bootstrap_iters=self.bootstrap_iters)
+            results, _ = evaluate_tasks(self._lm, self.harness_tasks, self.limit,
+                                        bootstrap_iters=self.bootstrap_iters, record=False)
         end = _now(pl_module.device)
         metrics = {**task_metrics(results), "eval/time_s": end - start}
         step = trainer.global_step

@@ -100,8 +100,8 @@ class EvaluationRun(pl.Callback):
         results: the harness's results dict (the same on every rank), once run.
     """
 
-    def __init__(self, args: argparse.Namespace, tasks: list[str], task_manager: Any, tokenizer: Any) -> None:
-        self.args, self.tasks, self.task_manager, self.tokenizer = args, tasks, task_manager, tokenizer
+    def __init__(self, args: argparse.Namespace, tasks: Any, tokenizer: Any) -> None:
+        self.args, self.tasks, self.tokenizer = args, tasks, tokenizer
         self.results: Optional[dict[str, Any]] = None
 
     def on_predict_start(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
@@ -119,8 +119,8 @@ class EvaluationRun(pl.Callback):
             from lm_eval.loggers import EvaluationTracker
 
             tracker = EvaluationTracker(output_path=args.output_path)
-        self.results, samples = evaluate_tasks(lm, self.tasks, self.task_manager, check_limit(args.limit),
-                                               args.num_fewshot, args.log_samples, args.bootstrap_iters, tracker)
+        self.results, samples = evaluate_tasks(lm, self.tasks, check_limit(args.limit), args.log_samples,
+                                               args.bootstrap_iters, tracker)
         if trainer.is_global_zero:
             _report(self.results, samples, tracker)
 
@@ -137,7 +137,10 @@ def _report(results: dict[str, Any], samples: Optional[dict[str, Any]], tracker:
     tracker.save_results_aggregated(results=dict(results), samples=samples)
     for task in (samples or {}):
         tracker.save_results_samples(task_name=task, samples=samples[task])
-    print(f"lightning-hybrid eval: results written under {Path(tracker.output_path).resolve()}", flush=True)
+    folder = Path(tracker.output_path)
+    folder = folder.parent if folder.suffix == ".json" else folder
+    written = sorted(str(path) for path in folder.rglob(f"*{tracker.date_id}*"))  # the harness's own names
+    print(f"lightning-hybrid eval: wrote {', '.join(written)}", flush=True)
 
 
 def _eval_cli_class() -> type:
@@ -171,13 +174,14 @@ def eval_main(argv: Optional[Sequence[str]] = None) -> int:
     tasks = parse_tasks(args.tasks)
     check_limit(args.limit)
     _check_checkpoint(args.checkpoint)
-    task_manager = resolve_tasks(tasks, args.include_path)
+    harness_tasks = resolve_tasks(tasks, args.include_path, args.num_fewshot)
     check_config_files(rest)
     cli = _eval_cli_class()(CausalLM, subclass_mode_data=True, run=False, args=rest, save_config_callback=None,
                             auto_configure_optimizers=False)
     trainer, model = cli.trainer, cli.model
     check_before_launch(trainer, model, None, None)
-    tokenizer = load_tokenizer(args.tokenizer or model.hparams.get("init_from_hf"), "lightning-hybrid eval")
-    trainer.callbacks.append(EvaluationRun(args, tasks, task_manager, tokenizer))
+    tokenizer = load_tokenizer(args.tokenizer or model.hparams.get("init_from_hf"), "the model", "--tokenizer PATH",
+                               "--model.init_from_hf DIR")
+    trainer.callbacks.append(EvaluationRun(args, harness_tasks, tokenizer))
     trainer.predict(model, dataloaders=torch.utils.data.DataLoader(_NoBatches()), return_predictions=False)
     return 0

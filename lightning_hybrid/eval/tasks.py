@@ -16,12 +16,14 @@ import importlib
 import logging
 import os
 import random
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterator, Optional, Sequence, Union
 
 import torch
 
-__all__ = ["EVAL_EXTRA", "require_harness", "parse_tasks", "resolve_tasks", "evaluate_tasks", "task_metrics",
+__all__ = ["EVAL_EXTRA", "HarnessTasks", "require_harness", "parse_tasks", "resolve_tasks", "evaluate_tasks",
+           "task_metrics",
            "preserved_rng", "evaluation_mode", "check_limit", "load_tokenizer"]
 
 EVAL_EXTRA = "pip install 'lightning-hybrid[eval]'"
@@ -78,8 +80,27 @@ def _unknown_task(name: str, known: Sequence[str], include_path: Optional[str]) 
             f"(`lm-eval ls tasks` lists them; a folder of task YAML files goes in include_path)")
 
 
-def resolve_tasks(tasks: Sequence[str], include_path: Optional[str] = None) -> Any:
-    """The harness's ``TaskManager`` that knows every one of ``tasks``, built on every rank before any collective.
+@dataclass
+class HarnessTasks:
+    """Tasks the harness knows, checked on every rank before any collective.
+
+    Attributes:
+        names: the task, group or tag names asked for.
+        manager: the harness's ``TaskManager`` that indexes them.
+        loaded: the tasks loaded once (``TaskManager.load``: datasets read, ``num_fewshot`` set as the harness's
+            ``simple_evaluate`` sets it), for runs that reuse them (:func:`evaluate_tasks` with ``record=False``).
+        num_fewshot: few-shot examples per prompt; ``None``: each task's default.
+    """
+
+    names: list[str]
+    manager: Any
+    loaded: dict[str, Any]
+    num_fewshot: Optional[int] = None
+
+
+def resolve_tasks(tasks: Sequence[str], include_path: Optional[str] = None,
+                  num_fewshot: Optional[int] = None) -> HarnessTasks:
+    """The harness's index of every one of ``tasks`` and the tasks loaded once; on every rank before any collective.
 
     With ``include_path`` whose tasks are all the ones asked for, only that folder is indexed (the harness's own
     thousands of task files take seconds to index); otherwise the harness's tasks and the folder's.
@@ -97,8 +118,8 @@ def resolve_tasks(tasks: Sequence[str], include_path: Optional[str] = None) -> A
     def known(manager: Any, name: str) -> bool:
         return name.endswith(".yaml") and Path(name).is_file() or bool(manager.match_tasks([name]))
 
-    with preserved_rng():  # loading the tasks draws from Python's random state: a callback built between
-        manager = None     # seed_everything and the model must not change its initial weights
+    with preserved_rng(), _quiet_harness(True):  # loading tasks draws from Python's random state: a callback built
+        manager = None                            # between seed_everything and the model must not change its weights
         if include_path is not None:
             local = TaskManager(include_path=include_path, include_defaults=False)
             manager = local if all(known(local, name) for name in tasks) else None
@@ -106,20 +127,24 @@ def resolve_tasks(tasks: Sequence[str], include_path: Optional[str] = None) -> A
         for name in tasks:
             if not known(manager, name):
                 raise ValueError(_unknown_task(name, manager.all_tasks, include_path))
-        _check_generation(manager, tasks)
-    return manager
+        loaded = manager.load(list(tasks))
+    for name, task in loaded["tasks"].items():
+        default = task.get_config("num_fewshot")  # as simple_evaluate: a task's explicit 0 is kept
+        if num_fewshot is not None and default != 0:
+            task.set_config(key="num_fewshot", value=num_fewshot)
+        elif default is None:
+            task.set_config(key="num_fewshot", value=0)
+        _check_generation(name, task)
+    return HarnessTasks(list(tasks), manager, loaded, num_fewshot)
 
 
-def _check_generation(manager: Any, tasks: Sequence[str]) -> None:
+def _check_generation(name: str, task: Any) -> None:
     from lightning_hybrid.eval.harness import sampling_error
 
-    with _quiet_harness(True):
-        loaded = manager.load(list(tasks))["tasks"]
-    for name, task in loaded.items():
-        if task.get_config("output_type") == "generate_until":
-            error = sampling_error(name, task.get_config("generation_kwargs") or {})
-            if error:
-                raise ValueError(error)
+    if task.get_config("output_type") == "generate_until":
+        error = sampling_error(name, task.get_config("generation_kwargs") or {})
+        if error:
+            raise ValueError(error)
 
 
 @contextlib.contextmanager
@@ -180,25 +205,44 @@ def _broadcast(value: Any, rank: int) -> Any:
     return box[0]
 
 
-def evaluate_tasks(lm: Any, tasks: Sequence[str], manager: Any, limit: Optional[Union[int, float]] = None,
-                   num_fewshot: Optional[int] = None, log_samples: bool = False, bootstrap_iters: int = 100000,
-                   tracker: Any = None) -> tuple[dict[str, Any], Optional[dict[str, Any]]]:
-    """Run the harness's ``simple_evaluate`` on every rank (each gets the same requests; the model gathers its
-    answers), the global random states restored afterwards.
+def evaluate_tasks(lm: Any, tasks: HarnessTasks, limit: Optional[Union[int, float]] = None,
+                   log_samples: bool = False, bootstrap_iters: int = 100000, tracker: Any = None,
+                   record: bool = True) -> tuple[dict[str, Any], Optional[dict[str, Any]]]:
+    """Run the harness on every rank (each gets the same requests; the model gathers its answers), the global random
+    states restored afterwards.
+
+    ``record=True``: the harness's ``simple_evaluate``, whose results carry the configuration, versions and
+    environment of the run (what ``lightning-hybrid eval`` writes). ``record=False``: its ``evaluate`` on the tasks
+    loaded once, seeded as ``simple_evaluate`` seeds (the same prompts and metrics, without reloading the datasets and
+    collecting the environment at every run of the training loop).
 
     Returns:
-        ``(results, samples)``: the harness's results dict without its samples, the same on every rank (rank 0's,
-        broadcast), and on rank 0 the per-sample records when ``log_samples`` (else ``None``).
+        ``(results, samples)``: the harness's results dict without its samples, the same on every rank, and on rank 0
+        the per-sample records when ``log_samples`` (else ``None``).
     """
-    from lm_eval import simple_evaluate
+    from lm_eval import evaluator
+    from lm_eval.defaults import DEFAULT_OTHER_SEED, DEFAULT_RANDOM_SEED
 
     rank = _global_rank()
     with preserved_rng(), _quiet_harness(rank != 0):
-        results = simple_evaluate(model=lm, tasks=list(tasks), num_fewshot=num_fewshot, limit=limit,
-                                  task_manager=manager, log_samples=log_samples, bootstrap_iters=bootstrap_iters,
-                                  evaluation_tracker=tracker)
+        if record:
+            results = evaluator.simple_evaluate(
+                model=lm, tasks=list(tasks.names), num_fewshot=tasks.num_fewshot, limit=limit,
+                task_manager=tasks.manager, log_samples=log_samples, bootstrap_iters=bootstrap_iters,
+                evaluation_tracker=tracker)
+        else:
+            import numpy as np
+
+            random.seed(DEFAULT_RANDOM_SEED)
+            np.random.seed(DEFAULT_OTHER_SEED)
+            torch.manual_seed(DEFAULT_OTHER_SEED)
+            for task in tasks.loaded["tasks"].values():
+                task.set_fewshot_seed(seed=DEFAULT_OTHER_SEED)
+            results = evaluator.evaluate(lm=lm, task_dict=tasks.loaded, limit=limit, bootstrap_iters=bootstrap_iters,
+                                         log_samples=log_samples)
     samples = results.pop("samples", None) if results is not None else None
-    results = _broadcast(results, rank)
+    if record:  # simple_evaluate returns results where LOCAL_RANK is 0 only
+        results = _broadcast(results, rank)
     return results, (samples if rank == 0 else None)
 
 
@@ -223,15 +267,16 @@ def task_metrics(results: dict[str, Any], prefix: str = "eval/") -> dict[str, fl
     return metrics
 
 
-def load_tokenizer(source: Optional[str], what: str) -> Any:
+def load_tokenizer(source: Optional[str], what: str, option: str = "tokenizer=...",
+                   init_option: str = "init_from_hf=...") -> Any:
     """The Hugging Face tokenizer of a folder or Hub repo id (``transformers.AutoTokenizer``).
 
     Raises:
-        ValueError: no source given (naming where one comes from), or the folder holds no tokenizer.
+        ValueError: no source given (naming the two options that give one), or the folder holds no tokenizer.
     """
     if not source:
         raise ValueError(f"{what} has no tokenizer: pass the model's Hugging Face tokenizer (a folder or repo id) as "
-                         f"tokenizer, or load the model with init_from_hf (its folder's tokenizer is used)")
+                         f"{option}, or load the model with {init_option} (its folder's tokenizer is used)")
     from transformers import AutoTokenizer
 
     try:
