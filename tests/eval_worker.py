@@ -5,9 +5,10 @@
 
 1. trains the tiny model 4 steps without, then with ``DownstreamEval`` every 2 steps (losses, final weights, random
    states, the modules' training flags at every step, the evaluation runs, step times);
-2. saves a checkpoint of the trained model;
-3. runs ``lightning-hybrid eval`` on that checkpoint at tp=2 x pp=2, at dp=4 (FSDP) and at cp=2 x tp=2, each writing
-   the harness's results and per-sample files under ``FOLDER/cli_<mesh>``.
+2. saves a checkpoint of the trained model and exports it (``export-hf --dtype fp32``, rank 0) to ``FOLDER/hf``;
+3. runs ``lightning-hybrid eval`` on that checkpoint at tp=2 x pp=2 and at dp=4 (FSDP), and without a checkpoint on
+   the model the config initializes from the export (``--model.init_from_hf``) at cp=2 x tp=2, each writing the
+   harness's results and per-sample files under ``FOLDER/cli_<mesh>``.
 
 Rank 0 writes ``FOLDER/record.pt``.
 """
@@ -75,8 +76,10 @@ def fit(folder: Path, with_eval: bool) -> tuple[L.Trainer, CausalLM, dict]:
 def cli_eval(folder: Path, mesh: str) -> float:
     from lightning_hybrid.cli import main
 
-    args = ["eval", "--config", str(folder / "recipe.yaml"), "--checkpoint", str(folder / "ckpt"),
-            "--tasks", ",".join(TASKS), "--include_path", str(folder / "tasks"),
+    source = (["--model.init_from_hf", str(folder / "hf")] if mesh == "cp2tp2"
+              else ["--checkpoint", str(folder / "ckpt")])
+    args = ["eval", "--config", str(folder / "recipe.yaml"), *source, "--tasks", ",".join(TASKS),
+            "--include_path", str(folder / "tasks"),
             "--tokenizer", str(folder / "tokenizer"),
             "--max_length", str(MAX_LENGTH), "--bootstrap_iters", "0", "--log_samples",
             "--output_path", str(folder / f"cli_{mesh}" / "results.json")]
@@ -94,6 +97,11 @@ def main() -> None:
     trainer, module, evaluated = fit(folder, with_eval=True)
     seconds = {}
     trainer.save_checkpoint(folder / "ckpt")
+    dist.barrier()
+    if dist.get_rank() == 0:
+        from lightning_hybrid.checkpoint.export import export_hf
+
+        export_hf(folder / "ckpt", folder / "hf", dtype="fp32")
     dist.barrier()
     for mesh in MESHES:
         seconds[f"cli_{mesh}"] = cli_eval(folder, mesh)
