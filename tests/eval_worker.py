@@ -6,9 +6,9 @@
 1. trains the tiny model 4 steps without, then with ``DownstreamEval`` every 2 steps (losses, final weights, random
    states, the modules' training flags at every step, the evaluation runs, step times);
 2. saves a checkpoint of the trained model and exports it (``export-hf --dtype fp32``, rank 0) to ``FOLDER/hf``;
-3. runs ``lightning-hybrid eval`` on that checkpoint at tp=2 x pp=2 and at dp=4 (FSDP), and without a checkpoint on
-   the model the config initializes from the export (``--model.init_from_hf``) at cp=2 x tp=2, each writing the
-   harness's results and per-sample files under ``FOLDER/cli_<mesh>``.
+3. runs ``lightning-hybrid eval`` on that checkpoint at tp=2 x pp=2 (sequence parallel) and at dp=4 (FSDP), and
+   without a checkpoint on the model the config initializes from the export (``--model.init_from_hf``) at
+   cp=2 x tp=2, each writing the harness's results and per-sample files under ``FOLDER/cli_<mesh>``.
 
 Rank 0 writes ``FOLDER/record.pt``.
 """
@@ -33,7 +33,9 @@ from lightning_hybrid import HybridParallelStrategy
 from lightning_hybrid.eval import DownstreamEval
 from lightning_hybrid.models import CausalLM
 
-MESHES = {"tp2pp2": {"tp": 2, "pp": 2}, "dp4": {"tp": 1, "pp": 1}, "cp2tp2": {"tp": 2, "pp": 1, "cp": 2}}
+# the checkpoint's own mesh also with sequence parallelism (each row's tokens split over tp around the norms)
+MESHES = {"tp2pp2": {"tp": 2, "pp": 2, "sequence_parallel": "true"}, "dp4": {"tp": 1, "pp": 1},
+          "cp2tp2": {"tp": 2, "pp": 1, "cp": 2}}
 
 
 class StepProbe(L.Callback):

@@ -50,6 +50,7 @@ class EvalLayout:
 
     Args:
         dp / dp_rank: data-parallel replicas and this rank's; the batches are dealt over them.
+        tp: tensor-parallel size (a sequence-parallel model splits each row's tokens over it).
         cp / cp_rank: ranks sharing each sequence and this rank's index among them.
         microbatches: the pipeline's micro-batches per step (a batch's rows must divide into them).
         leader: this rank reports its replica's answers in the final sum (one rank per replica).
@@ -63,6 +64,7 @@ class EvalLayout:
 
     dp: int = 1
     dp_rank: int = 0
+    tp: int = 1
     cp: int = 1
     cp_rank: int = 0
     microbatches: int = 1
@@ -92,7 +94,7 @@ def eval_layout(strategy: Any, device: torch.device) -> EvalLayout:
     mesh = strategy.device_mesh
     ask = getattr(strategy, "declared_model_runner", None)
     runner = ask() if callable(ask) else None
-    return EvalLayout(dp=dims.dp, dp_rank=at["dp"], cp=dims.cp, cp_rank=at.get("cp", 0),
+    return EvalLayout(dp=dims.dp, dp_rank=at["dp"], tp=dims.tp, cp=dims.cp, cp_rank=at.get("cp", 0),
                       microbatches=runner.microbatches if runner is not None else 1,
                       leader=at["tp"] == 0 and at.get("cp", 0) == 0 and at["pp"] == 0, world=world,
                       mesh=mesh if dims.tp > 1 else None, cp_group=mesh["cp"].get_group() if dims.cp > 1 else None,
@@ -200,7 +202,9 @@ class ShardedScorer:
         return full.cpu()
 
     def _shape(self, rows: int, longest: int) -> tuple[int, int]:
-        multiple = PAD_MULTIPLE * 2 * self.layout.cp // math.gcd(PAD_MULTIPLE, 2 * self.layout.cp)
+        """``(rows, tokens)`` of a padded batch: rows a multiple of the micro-batches, tokens of :data:`PAD_MULTIPLE`,
+        of ``2 * cp`` (the head-tail split) and of ``tp`` (sequence parallelism splits the tokens over tp)."""
+        multiple = math.lcm(PAD_MULTIPLE, 2 * self.layout.cp, self.layout.tp)
         return (math.ceil(max(rows, 1) / self.layout.microbatches) * self.layout.microbatches,
                 math.ceil(max(longest, 1) / multiple) * multiple)
 

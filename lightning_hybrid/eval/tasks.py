@@ -118,8 +118,8 @@ def resolve_tasks(tasks: Sequence[str], include_path: Optional[str] = None,
     def known(manager: Any, name: str) -> bool:
         return name.endswith(".yaml") and Path(name).is_file() or bool(manager.match_tasks([name]))
 
-    with preserved_rng(), _quiet_harness(True):  # loading tasks draws from Python's random state: a callback built
-        manager = None                            # between seed_everything and the model must not change its weights
+    with preserved_rng(), _quiet_harness(_global_rank() != 0):  # loading tasks draws from Python's random state: a
+        manager = None  # callback built between seed_everything and the model must not change the model's weights
         if include_path is not None:
             local = TaskManager(include_path=include_path, include_defaults=False)
             manager = local if all(known(local, name) for name in tasks) else None
@@ -247,9 +247,12 @@ def evaluate_tasks(lm: Any, tasks: HarnessTasks, limit: Optional[Union[int, floa
 
 
 def _global_rank() -> int:
+    """This process's global rank: the process group's, or before one exists the launcher's ``RANK``."""
     import torch.distributed as dist
 
-    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank()
+    return int(os.environ.get("RANK", "0"))
 
 
 def task_metrics(results: dict[str, Any], prefix: str = "eval/") -> dict[str, float]:
