@@ -23,6 +23,9 @@
 #              losses within 3%, the step-time ratio printed (not run on hardware yet)
 #   mxfp8      the same with float8="mxfp8" (torchao's MX training), on a GPU of compute capability 10.0 or more
 #              (Blackwell); below it the step is "skipped" in seconds (not run on hardware yet)
+#   eval       `lightning-hybrid eval` on the ckpt step's step-000030 with NCCL: three local harness tasks
+#              (tests/helpers/eval_tasks.py: multiple choice, rolling perplexity, greedy generation), the harness's
+#              results and samples under OUT/eval (needs the ckpt step first and the [eval] extra; not run on hardware yet)
 # It prints one summary table (step, status, seconds, the step's figure) and writes each step's log to OUT/.
 #
 # Options: --out DIR (gpu-smoke), --gpu NAME of the hardware table for the preflight's expected figures (h200),
@@ -30,12 +33,12 @@
 set -uo pipefail
 
 SKIPPED=77  # exit code of a step that does not apply to this GPU (mxfp8 below compute capability 10.0)
-STEPS_ALL="mfu tiny-nccl preflight ckpt gpu-health docmask async-tp float8 mxfp8"
+STEPS_ALL="mfu tiny-nccl preflight ckpt gpu-health docmask async-tp float8 mxfp8 eval"
 OUT=gpu-smoke
 GPU=h200
 ONLY=""
 PRINT=0
-usage() { sed -n '2,22p' "$0" | sed 's/^# \{0,1\}//'; }
+usage() { sed -n '2,25p' "$0" | sed 's/^# \{0,1\}//'; }
 while [ $# -gt 0 ]; do
     case "$1" in
         -h|--help) usage; exit 0 ;;
@@ -93,10 +96,17 @@ $(command -v $LH || echo $LH) fit --config $TINY ${ON_GPU[*]} ${MONITOR[*]} --tr
         mxfp8) printf '%s\n' bash -c "python -c 'import sys, torch; \
 sys.exit(0 if torch.cuda.get_device_capability() >= (10, 0) else $SKIPPED)' && python \
 $HERE/benchmarks/float8_smoke.py --preset qwen2.5-1.5b --float8 mxfp8 --steps 50" ;;
+        eval) printf '%s\n' bash -c "set -e; python -c 'import sys; from pathlib import Path; \
+sys.path.insert(0, \"$HERE/tests\"); from helpers.eval_tasks import write_tasks, write_tokenizer; \
+write_tasks(Path(\"$OUT/eval/tasks\")); write_tokenizer(Path(\"$OUT/eval/tokenizer\"))'; \
+torchrun --nproc_per_node 1 $(command -v $LH || echo $LH) eval --config $TINY ${ON_GPU[*]} \
+--checkpoint $OUT/ckpt/step-000030 --tasks tiny_mc,tiny_ppl,tiny_gen --include_path $OUT/eval/tasks \
+--tokenizer $OUT/eval/tokenizer --max_length 12 --output_path $OUT/eval/results.json --log_samples" ;;
     esac
 }
-LIMITS="mfu=180 tiny-nccl=90 preflight=120 ckpt=150 gpu-health=90 docmask=90 async-tp=300 float8=240 mxfp8=240"
-# seconds: 1500 s in all, 1260 s where mxfp8 is skipped (below compute capability 10.0)
+LIMITS="mfu=180 tiny-nccl=90 preflight=120 ckpt=150 gpu-health=90 docmask=90 async-tp=300 float8=240 mxfp8=240
+eval=120"
+# seconds: 1620 s in all, 1380 s where mxfp8 is skipped (below compute capability 10.0)
 
 if [ "$PRINT" = 1 ]; then
     for step in $STEPS; do
@@ -134,6 +144,7 @@ for step in $STEPS; do
         docmask) FIGURE[$step]=$(grep -E '^\| cuda' "$OUT/$step.log" | tail -1) ;;
         async-tp) FIGURE[$step]=$(grep -E '^async_tp (step time|loss agreement)' "$OUT/$step.log" | tr '\n' ' ') ;;
         float8|mxfp8) FIGURE[$step]=$(grep -E '^loss relative difference' "$OUT/$step.log") ;;
+        eval) FIGURE[$step]=$(grep -E '^\|tiny_mc' "$OUT/$step.log" | tr -s ' ' | head -1) ;;
     esac
 done
 printf '\n| %-10s | %-14s | %7s | %s\n' step status seconds figure

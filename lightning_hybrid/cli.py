@@ -16,7 +16,8 @@ from argparse import ArgumentError
 from pathlib import Path
 from typing import Any, Callable, Optional
 
-__all__ = ["main", "TOOLS", "EXIT_USER_ERROR", "user_error_message", "check_before_launch", "check_strategy_arguments"]
+__all__ = ["main", "TOOLS", "EXIT_USER_ERROR", "user_error_message", "check_before_launch", "check_strategy_arguments",
+           "hybrid_cli_class", "check_config_files"]
 
 # Subcommands that are not Lightning's: name -> ("module:function", one-line help).
 TOOLS: dict[str, tuple[str, str]] = {
@@ -28,6 +29,8 @@ TOOLS: dict[str, tuple[str, str]] = {
     "dry-run": ("lightning_hybrid.dryrun.cli:dry_run_main", "build every rank of a recipe and trace a step on one CPU"),
     "lighthouse": ("lightning_hybrid.launch.lighthouse:lighthouse_main",
                    "run torchft's lighthouse for replica groups (fault_tolerance='torchft')"),
+    "eval": ("lightning_hybrid.eval.cli:eval_main",
+             "score a recipe's model or a checkpoint on lm-evaluation-harness tasks, on the training mesh"),
 }
 LIGHTNING_SUBCOMMANDS = {
     "fit": "train (and validate) a model",
@@ -179,7 +182,8 @@ def check_strategy_arguments(strategy: Any) -> None:
         cls(**(dict(vars(init_args)) if init_args is not None else {}))
 
 
-def _cli_class() -> type:
+def hybrid_cli_class() -> type:
+    """The LightningCLI class of ``lightning-hybrid fit/validate/test/predict`` (also built by ``eval``)."""
     from lightning.pytorch.cli import LightningCLI
 
     class HybridCLI(LightningCLI):
@@ -208,7 +212,7 @@ def _cli_class() -> type:
     return HybridCLI
 
 
-def _check_config_files(argv: list[str]) -> None:
+def check_config_files(argv: list[str]) -> None:
     """Parse each ``--config`` YAML file first, so a syntax error names the file and its line.
 
     Raises:
@@ -234,9 +238,9 @@ def _check_config_files(argv: list[str]) -> None:
 def _lightning_cli(argv: list[str], explicit: bool) -> None:
     from lightning_hybrid.models import CausalLM
 
-    _check_config_files(argv[1:])
+    check_config_files(argv[1:])
     _PARSERS.clear()
-    _cli_class()(CausalLM, subclass_mode_data=True, args=argv if explicit else None,
+    hybrid_cli_class()(CausalLM, subclass_mode_data=True, args=argv if explicit else None,
                  save_config_kwargs={"overwrite": True}, auto_configure_optimizers=False)
 
 

@@ -22,7 +22,7 @@ def test_print_lists_the_steps_with_their_settings() -> None:
     assert result.returncode == 0, result.stderr
     lines = dict(line.split(": ", 1) for line in result.stdout.splitlines())
     assert list(lines) == ["mfu", "tiny-nccl", "preflight", "ckpt", "gpu-health", "docmask", "async-tp", "float8",
-                           "mxfp8"]
+                           "mxfp8", "eval"]
     assert "float8_smoke.py --preset qwen2.5-1.5b --float8 rowwise --steps 50" in lines["float8"]
     assert "get_device_capability() >= (10, 0) else 77" in lines["mxfp8"]
     assert "float8_smoke.py --preset qwen2.5-1.5b --float8 mxfp8 --steps 50" in lines["mxfp8"]
@@ -33,6 +33,8 @@ def test_print_lists_the_steps_with_their_settings() -> None:
     assert "FaultTolerantCheckpoint" in lines["ckpt"] and "for steps in 20 30" in lines["ckpt"]
     assert "benchmarks/gpu_health_poll.py" in lines["gpu-health"] and "GPUHealthMonitor" in lines["gpu-health"]
     assert "--nproc_per_node 2" in lines["async-tp"] and "runtime.py --async-tp" in lines["async-tp"]
+    assert " eval --config " in lines["eval"] and "--checkpoint gpu-smoke/ckpt/step-000030" in lines["eval"]
+    assert "process_group_backend nccl" in lines["eval"] and "helpers.eval_tasks" in lines["eval"]
 
 
 def test_only_selects_steps_and_refuses_unknown_ones() -> None:

@@ -8,6 +8,9 @@ Wrappers (in ``lightning_hybrid.distributed``) and the private APIs they use:
 - ``pipeline.runner.forward_only_order``: ``torch.distributed.pipelining.schedules._Action``, ``_ComputationType``,
   ``_add_send_recv``, ``_add_unshard_reshard``; a V schedule's ``pipeline_order_with_comms``,
   ``stage_index_to_group_rank`` and ``_num_stages``;
+- ``pipeline.runner.forget_stage_shapes``: a schedule's ``_stage_forward_initialized`` and
+  ``_stage_backward_initialized`` (one stage per rank) or ``_stages_forward_initialized`` and
+  ``_stages_backward_initialized`` (several), which its step reads to infer the stages' shapes again;
 - ``mesh._group_timeout``: ``torch.distributed.distributed_c10d.default_pg_timeout`` and
   ``default_pg_nccl_timeout``, read by ``new_group`` when DeviceMesh creates its groups;
 - ``mesh._flatten_groups``: ``DeviceMesh._flatten`` (the dp x cp, HSDP and Lightning names of the mesh);
@@ -66,6 +69,7 @@ LOCAL_REGION = "lightning_hybrid.init_weights.local_region"
 RESTORE_COUNTERS = "lightning_hybrid.callbacks.rollback._restore_counters"
 REWIND = "lightning_hybrid.callbacks.rollback._rewind"
 FSSPEC_WRITER = "lightning_hybrid.checkpoint.storage.storage_writer"
+FORGET_STAGE_SHAPES = "lightning_hybrid.distributed.pipeline.runner.forget_stage_shapes"
 
 
 def broken(wrapper: str, what: str) -> str:
@@ -180,6 +184,32 @@ def test_forward_only_order_restores_the_training_order_after_an_error():
         with forward_only_order(schedule, 4):
             raise RuntimeError("evaluation failed")
     assert schedule.pipeline_order_with_comms is training_order
+
+
+@pytest.mark.parametrize("name", ["GPipe", "1F1B", "Interleaved1F1B", "LoopedBFS", "InterleavedZeroBubble",
+                                  "ZBVZeroBubble", "DualPipeV"])
+def test_forget_stage_shapes_clears_the_flags_a_schedule_step_reads(name):
+    from torch.distributed.pipelining.schedules import PipelineScheduleSingle, get_schedule_class
+
+    forget_stage_shapes = wrapper_function(FORGET_STAGE_SHAPES)
+    cls = get_schedule_class(name)
+    single = issubclass(cls, PipelineScheduleSingle)
+    ids = [0] if single else [0, 3]
+    stages = [types.SimpleNamespace(stage_index=i, num_stages=len(ids) * 2, group_size=2, group_rank=0,
+                                    is_first=i == 0, is_last=False, submod=torch.nn.Linear(2, 2)) for i in ids]
+    with blame(FORGET_STAGE_SHAPES):
+        schedule = cls(stages[0] if single else stages, n_microbatches=4, loss_fn=lambda out, target: out.sum())
+    prefix = "_stage_" if single else "_stages_"
+    flags = [f"{prefix}forward_initialized", f"{prefix}backward_initialized"]
+    for flag in flags:
+        assert getattr(schedule, flag, None) is False, broken(FORGET_STAGE_SHAPES, f"a new {name} has no {flag}=False")
+        setattr(schedule, flag, True)  # as after a training step
+    forget_stage_shapes(schedule)
+    assert [getattr(schedule, flag) for flag in flags] == [False, False]
+    # the forward-only pass hands return_outputs=False through eval() to step()
+    assert "return_outputs" in inspect.signature(cls.step).parameters, broken(FORGET_STAGE_SHAPES, "step() changed")
+    source = inspect.getsource(type(schedule)._initialize_pp_stages)
+    assert "needs_fwd = not fwd_initialized" in source, broken(FORGET_STAGE_SHAPES, "_initialize_pp_stages changed")
 
 
 # ---------------------------------------------------------------------------------- clipping through Lightning

@@ -183,7 +183,9 @@ class ThroughputMonitor(pl.Callback):
     see the same tokens; under context parallelism a rank holds 1/cp of each sequence, so its count is
     multiplied by cp and the FLOPs per token are those of the whole sequence length). Step time runs from the
     train-batch-start hook to the batch-end hook (CUDA synchronized); data wait from the previous batch end to
-    the next batch start, with validation left out. At the end of training rank 0 prints one summary line with tokens/s.
+    the next batch start, with validation left out. Downstream evaluation inside training
+    (:class:`~lightning_hybrid.eval.DownstreamEval` reports its runs to :meth:`record_evaluation`) is left out of
+    both and logged as ``throughput/eval_time``. At the end of training rank 0 prints one summary line with tokens/s.
 
     Straggler detection adds the only collectives: one ``all_gather_object`` of host names when
     training starts and one small ``all_gather`` every ``straggler_every_n_steps`` steps, on every rank
@@ -225,6 +227,7 @@ class ThroughputMonitor(pl.Callback):
         self.summary = ""
         self._sync = False
         self._grad_bytes: Optional[int] = None
+        self._evaluations: list[tuple[float, float]] = []  # (start, end) of evaluations not yet accounted
 
     # ------------------------------------------------------------------ setup
 
@@ -267,6 +270,17 @@ class ThroughputMonitor(pl.Callback):
             torch.cuda.synchronize()
         return time.perf_counter()
 
+    def record_evaluation(self, start: float, end: float) -> None:
+        """``[start, end]`` (``time.perf_counter()``) was spent evaluating inside training: evaluation time, not
+        training time (left out of the step time or data wait it falls in)."""
+        self._evaluations.append((start, end))
+
+    def _evaluation_time(self, begin: float, end: float) -> float:
+        """Seconds of the recorded evaluations inside ``[begin, end]``; those ending before ``end`` are done with."""
+        inside = sum(max(0.0, min(stop, end) - max(start, begin)) for start, stop in self._evaluations)
+        self._evaluations = [(start, stop) for start, stop in self._evaluations if stop > end]
+        return inside
+
     # ------------------------------------------------------------------ timing
 
     def on_train_epoch_start(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
@@ -282,10 +296,12 @@ class ThroughputMonitor(pl.Callback):
         # under context parallelism this rank's batch holds 1/cp of each sequence: count whole sequences
         tokens, seq_len = tokens * self._cp, seq_len * self._cp
         if self._pending is None:
-            self._pending = {"start": now, "step_time": 0.0, "data_wait": 0.0, "tokens": 0, "samples": 0,
-                             "flops": 0.0}
+            self._pending = {"start": now, "step_time": 0.0, "data_wait": 0.0, "eval_time": 0.0, "tokens": 0,
+                             "samples": 0, "flops": 0.0}
         p = self._pending
-        p["data_wait"] += now - self._last_end
+        evaluating = self._evaluation_time(self._last_end, now)
+        p["data_wait"] += now - self._last_end - evaluating
+        p["eval_time"] += evaluating
         p["tokens"] += tokens * self._dp
         p["samples"] += max(1, tokens // max(seq_len, 1)) * self._dp
         if self._flops_fn is not None:
@@ -305,7 +321,9 @@ class ThroughputMonitor(pl.Callback):
         self._last_end = now
         if self._pending is None:
             return
-        self._pending["step_time"] += now - self._batch_start
+        evaluating = self._evaluation_time(self._batch_start, now)
+        self._pending["step_time"] += now - self._batch_start - evaluating
+        self._pending["eval_time"] += evaluating
         if trainer.global_step == self._last_global_step:
             return  # a gradient-accumulation micro-batch: the optimizer step is not done yet
         self._last_global_step = trainer.global_step
@@ -346,6 +364,7 @@ class ThroughputMonitor(pl.Callback):
         metrics = {f"throughput/{k}": v for k, v in self._rates(p["tokens"], p["flops"], interval).items()}
         metrics["throughput/step_time"] = p["step_time"]
         metrics["throughput/data_wait"] = p["data_wait"]
+        metrics["throughput/eval_time"] = p.get("eval_time", 0.0)
         window = self._throughput.compute()
         if "device/items_per_sec" in window:
             tokens_per_sec = window["device/items_per_sec"]  # world_size=1 in Throughput: these are global tokens

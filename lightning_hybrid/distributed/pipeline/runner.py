@@ -34,7 +34,7 @@ if TYPE_CHECKING:
     from torch.distributed import ProcessGroup
     from torch.distributed.device_mesh import DeviceMesh
 
-__all__ = ["PipelineRunner", "build_pipeline", "forward_only_order", "report_bubble"]
+__all__ = ["PipelineRunner", "build_pipeline", "forward_only_order", "forget_stage_shapes", "report_bubble"]
 
 
 @contextlib.contextmanager
@@ -65,6 +65,22 @@ def forward_only_order(schedule: Any, microbatches: int) -> Iterator[None]:
         yield
     finally:
         schedule.pipeline_order_with_comms = saved
+
+
+def forget_stage_shapes(schedule: Any) -> None:
+    """Make ``schedule`` infer its stages' activation shapes again at its next step, as a new schedule would.
+
+    torch infers them (a forward on the meta device, metadata sent between the stages) at the first step and again
+    at a switch between training and evaluation, and reuses its receive buffers otherwise: a forward-only batch of
+    another shape than the last one would be received into buffers of the old shape. There is no public way to ask
+    again, so this clears the schedule's private forward and backward "initialized" flags (both: a training step
+    after it must infer its own shapes and gradients again); ``tests/test_torch_private_apis.py`` fails loudly when
+    they change.
+    """
+    for flag in ("_stage_forward_initialized", "_stage_backward_initialized",  # PipelineScheduleSingle
+                 "_stages_forward_initialized", "_stages_backward_initialized"):  # PipelineScheduleMulti
+        if hasattr(schedule, flag):
+            setattr(schedule, flag, False)
 
 
 class PipelineRunner:
@@ -113,6 +129,9 @@ class PipelineRunner:
         self._count = torch.ones(())  # the global batch's label tokens (set on the last stage before each step)
         # entered around every schedule step (the vocabulary-parallel loss's backward runs inside it)
         self.step_context: Callable[[], Any] = contextlib.nullcontext
+        # forward_only(): what the last stage computes per micro-batch in place of the loss, and the last batch shape
+        self._per_microbatch: Optional[Callable[[Tensor, Tensor], Tensor]] = None
+        self._forward_only_shape: Optional[tuple[int, ...]] = None
         cls = schedule_class(schedule_name)
         first = stages[0] if issubclass(cls, PipelineScheduleSingle) else stages
         self.schedule = cls(first, n_microbatches=microbatches, loss_fn=self.loss_fn, scale_grads=False)
@@ -124,7 +143,10 @@ class PipelineRunner:
 
     def loss_fn(self, output: Tensor, target: Tensor) -> Tensor:
         """Per micro-batch: its label-token loss sum as its part of the global token mean, times ``dp`` and the
-        accumulation's ``grad_scale`` (:func:`~lightning_hybrid.models.spec.token_mean_loss`): what backward needs."""
+        accumulation's ``grad_scale`` (:func:`~lightning_hybrid.models.spec.token_mean_loss`): what backward needs;
+        inside :meth:`forward_only`, what its ``per_microbatch`` computes instead."""
+        if self._per_microbatch is not None:
+            return self._per_microbatch(output, target)
         total, _ = self._loss_sum(output, target)
         return token_mean_loss(total, self._count.to(total.device), self.dp, self.grad_scale)
 
@@ -142,7 +164,7 @@ class PipelineRunner:
 
     def logits(self, input_ids: Tensor, position_ids: Optional[Tensor] = None) -> Optional[Tensor]:
         """Forward-only pass of a whole batch; the logits on the rank that holds the last stage, else ``None``."""
-        self._check_batch(input_ids)
+        self._check_batch(input_ids, forward_only=True)
         args = (input_ids,) if self.is_first else ()
         # The schedule computes its loss on the last stage; give it labels that are all ignored.
         kwargs = {"target": torch.full_like(input_ids, IGNORE_INDEX)} if self.is_last else {}
@@ -151,8 +173,36 @@ class PipelineRunner:
             output = self.schedule.eval(*args, **kwargs)
         return output if self.is_last else None
 
-    def _check_batch(self, input_ids: Tensor) -> None:
+    def forward_only(self, input_ids: Tensor, target: Tensor,
+                     per_microbatch: Callable[[Tensor, Tensor], Tensor]) -> Optional[list[Tensor]]:
+        """Forward-only pass of a whole batch through the schedule, as in validation, that runs
+        ``per_microbatch(output, target)`` on the last stage for each micro-batch in place of the loss; no
+        micro-batch's output is kept after it (the logits of a whole batch never exist at once).
+
+        Batches of any shape may follow each other (the stages infer their shapes again when it changes).
+
+        Returns:
+            On the rank holding the last stage, the results in micro-batch order; elsewhere ``None``.
+        """
+        self._check_batch(input_ids, forward_only=True)
+        results: list[Tensor] = []
+        args = (input_ids,) if self.is_first else ()
+        kwargs = {"target": target, "losses": results} if self.is_last else {}
+        self._per_microbatch = per_microbatch
+        try:
+            with torch.inference_mode(False), torch.no_grad(), self._forward_only(), self.step_context():
+                self.schedule.eval(*args, return_outputs=False, **kwargs)
+        finally:
+            self._per_microbatch = None
+        return results if self.is_last else None
+
+    def _check_batch(self, input_ids: Tensor, forward_only: bool = False) -> None:
         check_batch_splits(input_ids.shape[0], self.microbatches)
+        # Evaluation batches may change shape (downstream evaluation, prediction): infer the stages' shapes again
+        # when a forward-only batch differs from the last one (a training step re-infers its own).
+        if forward_only and self._forward_only_shape != tuple(input_ids.shape):
+            forget_stage_shapes(self.schedule)
+            self._forward_only_shape = tuple(input_ids.shape)
 
     def __call__(self, input_ids: Tensor, labels: Tensor, train: bool,
                  position_ids: Optional[Tensor] = None) -> tuple[Tensor, Tensor, Tensor]:
@@ -162,7 +212,7 @@ class PipelineRunner:
         micro-batches and hands them to each stage's forward, not only the first's."""
         import torch.distributed as dist
 
-        self._check_batch(input_ids)
+        self._check_batch(input_ids, forward_only=not train)
         device = input_ids.device
         stats = torch.zeros(2, dtype=torch.float32, device=device)
         if self.is_last:
