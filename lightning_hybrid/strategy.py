@@ -55,7 +55,7 @@ class HybridParallelStrategy(ModelParallelStrategy):
     (``parallel_spec()``, like :class:`~lightning_hybrid.models.CausalLM`) is built by the strategy: parallelized,
     materialized from the meta device, initialized mesh-independently. One whose ``configure_model`` parallelizes
     itself (for Lightning's ``ModelParallelStrategy``) keeps working with ``pp=1`` on Lightning's 2-D mesh; what it
-    leaves unsynchronized over dp is replicated. A bare ``HybridParallelStrategy()`` is tp=1, dp=world.
+    leaves unsynchronized over dp is replicated. Bare: tp=1, dp=world (self-parallelizing: tp, dp = devices, nodes).
 
     Args:
         tp: tensor-parallel size; keep it within a node. ``"auto"`` here and in the seven options below: planned.
@@ -172,7 +172,7 @@ class HybridParallelStrategy(ModelParallelStrategy):
         self._dims = check_options(self.options, self.num_nodes * self.num_processes,
                                    self.num_processes if self.num_nodes > 1 else None, self._spec,
                                    module.num_blocks() if self._spec is not None else None, self._precision,
-                                   type(module).__name__)
+                                   type(module).__name__, log=rank_zero_info)
 
     @override
     def setup_environment(self) -> None:

@@ -23,6 +23,7 @@ from lightning_hybrid.distributed.activation_checkpoint import (
     resolve_selective,
 )
 from lightning_hybrid.distributed.context_parallel import context_parallel_error, install_context_parallel
+from lightning_hybrid.distributed.default_mesh import bare_layout_note, bare_sizes
 from lightning_hybrid.distributed.data_parallel import (
     DATA_PARALLEL_MODES,
     StepWeightCasts,
@@ -206,14 +207,18 @@ class ParallelOptions:
             return self.microbatches
         return default_microbatches(self.pp_schedule, self.pp, self.virtual_stages)
 
-    def sizes(self, world_size: int, devices_per_node: Optional[int]) -> tuple[int, Optional[int]]:
+    def sizes(self, world_size: int, devices_per_node: Optional[int],
+              self_parallel: bool = False) -> tuple[int, Optional[int]]:
         """``(tp, dp)`` with Lightning's ``"auto"`` resolved: ``tensor_parallel_size="auto"`` is the devices per node,
-        ``data_parallel_size="auto"`` the number of nodes (``devices_per_node=None``: one node).
+        ``data_parallel_size="auto"`` the number of nodes (``devices_per_node=None``: one node). A module that
+        parallelizes itself (``self_parallel``) under a bare strategy (:func:`bare_sizes`) gets both as ``"auto"``.
 
         Raises:
             ValueError: ``tp``/``dp`` was given too and differs from what ``"auto"`` means here.
         """
         per_node = devices_per_node or world_size
+        if self_parallel and bare_sizes(self):
+            return per_node, world_size // per_node
         tp = _auto("tp", self.tp, 1, "tensor_parallel_size", self.tensor_parallel_size, per_node)
         dp = _auto("dp", self.dp, None, "data_parallel_size", self.data_parallel_size, world_size // per_node)
         return tp, dp
@@ -243,7 +248,7 @@ class ParallelOptions:
 
 def check_options(options: ParallelOptions, world_size: int, devices_per_node: Optional[int],
                   spec: Optional[ParallelSpec], num_blocks: Optional[int], precision: str,
-                  module_name: str) -> ParallelDims:
+                  module_name: str, log: Optional[Callable[[str], Any]] = None) -> ParallelDims:
     """All checks of ``options`` against the world and the model that need no collective.
 
     Identical on every rank, so every rank raises alike before the first collective.
@@ -252,11 +257,12 @@ def check_options(options: ParallelOptions, world_size: int, devices_per_node: O
         spec: the module's declared parts, ``None`` for a module that parallelizes itself.
         num_blocks: the declared model's number of blocks.
         module_name: the LightningModule's class name, for messages.
+        log: where the one line naming a bare strategy's mesh goes (:func:`~.default_mesh.bare_layout_note`).
 
     Raises:
         ValueError: sizes that do not fit the world or the model, or a feature the module cannot use.
     """
-    tp, dp = options.sizes(world_size, devices_per_node)
+    tp, dp = options.sizes(world_size, devices_per_node, self_parallel=spec is None)
     dims = ParallelDims.resolve(tp, options.pp, dp, world_size, devices_per_node=devices_per_node, cp=options.cp,
                                 dp_shard=options.dp_shard)
     cp_error = context_parallel_error(spec, options.cp, module_name) or (
@@ -297,6 +303,9 @@ def check_options(options: ParallelOptions, world_size: int, devices_per_node: O
         plan_stages(spec, num_blocks, options.pp * options.virtual_stages, options.pp_split_points)
     elif options.virtual_stages != 1:
         raise ValueError(f"virtual_stages={options.virtual_stages} needs pp>1; use virtual_stages=1")
+    note = bare_layout_note(options, dims, self_parallel=spec is None)
+    if note and log is not None:
+        log(note)
     return dims
 
 

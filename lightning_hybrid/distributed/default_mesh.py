@@ -1,0 +1,44 @@
+"""What a bare ``HybridParallelStrategy()`` (no size given) builds, for each kind of LightningModule.
+
+A module that parallelizes itself was written for Lightning's ``ModelParallelStrategy`` and applies TP to
+``self.device_mesh["tensor_parallel"]``; a bare ``ModelParallelStrategy()`` gives it tp = the devices of a node and
+dp = the nodes, and so does a bare ``HybridParallelStrategy()`` (otherwise such code would silently train as pure data
+parallelism, every rank holding whole weights). A declared model (``parallel_spec()``) keeps the documented default:
+tp=1, pp=1, dp = the world. Pure arithmetic on the options (no torch).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Optional
+
+if TYPE_CHECKING:
+    from lightning_hybrid.distributed.parallel_dims import ParallelDims
+    from lightning_hybrid.distributed.parallelize import ParallelOptions
+
+__all__ = ["bare_sizes", "bare_layout_note"]
+
+
+def bare_sizes(options: "ParallelOptions") -> bool:
+    """No size was given: ``tp``, ``dp``, ``tensor_parallel_size`` and ``data_parallel_size`` at their defaults, no
+    pipeline, no context parallelism (a bare ``HybridParallelStrategy()``).
+
+    Such a strategy builds, for a module that parallelizes itself (code written for Lightning's
+    ``ModelParallelStrategy``, which applies TP to ``self.device_mesh["tensor_parallel"]``), the mesh a bare
+    ``ModelParallelStrategy()`` builds: tp = the devices of a node, dp = the nodes. A declared model keeps tp=1,
+    dp = the world (FSDP2 over every rank); :func:`bare_layout_note` says which in one line.
+    """
+    return (options.tp == 1 and options.dp is None and options.tensor_parallel_size is None
+            and options.data_parallel_size is None and options.pp == 1 and options.cp == 1)
+
+
+def bare_layout_note(options: "ParallelOptions", dims: "ParallelDims", self_parallel: bool) -> Optional[str]:
+    """The one line that says which mesh a bare strategy chose (``None`` when a size was given)."""
+    if not bare_sizes(options):
+        return None
+    if self_parallel:
+        return (f"HybridParallelStrategy() without sizes, for a module that parallelizes itself: "
+                f"ModelParallelStrategy's default mesh, tensor_parallel={dims.tp} (the devices of a node) x "
+                f"data_parallel={dims.dp} (the nodes); give dp/tp (or data_parallel_size/tensor_parallel_size) for "
+                f"another")
+    return (f"HybridParallelStrategy() without sizes, for a declared model: tp=1, pp=1, dp={dims.dp} "
+            f"({options.data_parallel} over every rank); give tp/pp (or 'auto' to plan them) for another")
