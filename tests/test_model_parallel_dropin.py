@@ -371,8 +371,15 @@ def test_a_branch_one_dp_rank_skips_trains_like_one_process_over_the_global_batc
     takes part in the replicas' all-reduce with zeros (it used to reduce a shorter buffer: gloo aborted with
     "Received data size doesn't match expected size"); a step no rank used it leaves it untouched, as one process
     over the global batch does (AdamW skips a parameter without gradient; weight decay would move a zero one)."""
-    from dropin_worker import BRANCH_DP, BRANCH_PER_RANK, BRANCH_STEPS, BranchFeedForward, branch_loss, \
-        branch_optimizer, branch_samples
+    from dropin_worker import (
+        BRANCH_DP,
+        BRANCH_PER_RANK,
+        BRANCH_STEPS,
+        BranchFeedForward,
+        branch_loss,
+        branch_optimizer,
+        branch_samples,
+    )
 
     records = runs["unused_branch"]
     for record in records:

@@ -23,7 +23,6 @@ from lightning_hybrid.distributed.activation_checkpoint import (
     resolve_selective,
 )
 from lightning_hybrid.distributed.context_parallel import context_parallel_error, install_context_parallel
-from lightning_hybrid.distributed.default_mesh import bare_layout_note, bare_sizes
 from lightning_hybrid.distributed.data_parallel import (
     DATA_PARALLEL_MODES,
     StepWeightCasts,
@@ -32,6 +31,7 @@ from lightning_hybrid.distributed.data_parallel import (
     reshard_after_forward,
     without_autocast,
 )
+from lightning_hybrid.distributed.default_mesh import bare_layout_note, bare_sizes
 from lightning_hybrid.distributed.float8 import check_float8, convert_float8, float8_error, float8_tp_plan
 from lightning_hybrid.distributed.materialize import materialize
 from lightning_hybrid.distributed.parallel_dims import ParallelDims, data_mesh
