@@ -159,7 +159,48 @@ def slow_down_background_writer() -> None:
     FileSystemWriter.prepare_local_plan = slow
 
 
+def slow_down_staging() -> None:
+    """SLOW_STAGING=S: the background copy of each async save's state to host memory starts S seconds late, after the
+    next step's forward and backward (on a GPU the copy from device memory can end that late; on CPU it always ends
+    first). Unless the optimizer step waits for it (FaultTolerantCheckpoint.on_before_optimizer_step), the copy then
+    reads the next step's weights and the checkpoint is not of its own step."""
+    seconds = float(env("SLOW_STAGING", "0"))
+    if not seconds:
+        return
+    from concurrent.futures import Future, ThreadPoolExecutor
+
+    import lightning_hybrid.checkpoint.staging as staging
+
+    original, late = staging._stager, ThreadPoolExecutor(1, thread_name_prefix="late-stager")
+
+    class LateStager:
+        """DCP's stager, started ``seconds`` late in a thread of its own (its ``stage`` returns a Future, as an
+        asynchronous stager's does)."""
+
+        should_synchronize_after_execute = False
+
+        def __init__(self, inner) -> None:
+            self.inner = inner
+
+        def stage(self, state_dict):
+            def copy():
+                time.sleep(seconds)
+                staged = self.inner.stage(state_dict)
+                return staged.result() if isinstance(staged, Future) else staged
+
+            return late.submit(copy)
+
+        def synchronize_staging(self) -> None:
+            pass
+
+        def close(self) -> None:
+            self.inner.close()
+
+    staging._stager = lambda options: LateStager(original(options))
+
+
 def main() -> None:
+    slow_down_staging()
     inject_write_failures()
     inject_dcp_like_failures()
     slow_down_background_writer()

@@ -38,9 +38,10 @@ def _final(out: Path) -> dict:
 
 @pytest.fixture(scope="module")
 def baseline(tmp_path_factory) -> Path:
-    """tp=2 x pp=2, 8 steps (over an epoch boundary), async saves every 2 steps, weights recorded at each save."""
+    """tp=2 x pp=2, 8 steps (over an epoch boundary), async saves every 2 steps, weights recorded at each save; each
+    save's copy to host memory starts 1.5 s late, after the next step's forward and backward (as on a GPU)."""
     out = tmp_path_factory.mktemp("baseline")
-    _run(out, out / "ckpt", RECORD_WEIGHTS=1, KEEP=4)
+    _run(out, out / "ckpt", RECORD_WEIGHTS=1, KEEP=4, SLOW_STAGING=1.5)
     return out
 
 
@@ -55,6 +56,8 @@ def test_uninterrupted_run_commits_every_interval_and_keeps_the_newest(baseline)
 
 
 def test_each_async_checkpoint_holds_the_weights_of_its_own_step(baseline):
+    # The copy to host memory ends after the next step's backward (SLOW_STAGING): only the optimizer step's wait for
+    # it (FaultTolerantCheckpoint.on_before_optimizer_step) keeps the next step's weights out of checkpoints 4 and 6.
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint import FileSystemReader
 
