@@ -70,6 +70,8 @@ class Faults(L.Callback):
         if kill_at and step == kill_at and trainer.global_rank == int(env("KILL_RANK", "1")):
             if not first_only or env("TORCHELASTIC_RESTART_COUNT", "0") == "0":
                 os.kill(os.getpid(), signal.SIGKILL)
+        if int(env("KILL_ALL_AT", "0")) == step:
+            os.kill(os.getpid(), signal.SIGKILL)
         self.fill_or_free_disk(trainer, step)
         if int(env("SIGTERM_AT", "0")) == step and not (self.out / f"sigterm_sent_{trainer.global_rank}").exists():
             (self.out / f"sigterm_sent_{trainer.global_rank}").touch()
@@ -199,6 +201,25 @@ def slow_down_staging() -> None:
     staging._stager = lambda options: LateStager(original(options))
 
 
+def slow_down_daemon_write() -> None:
+    """SLOW_DAEMON_WRITE_AT=N: in a process writer daemon (which imports this script as ``__mp_main__``), the write of
+    the step-N checkpoint sleeps 60 s before it starts: a daemon busy with a long upload when its training process
+    dies."""
+    step = int(env("SLOW_DAEMON_WRITE_AT", "0"))
+    if not step:
+        return
+    from torch.distributed.checkpoint.filesystem import FileSystemWriter
+
+    original = FileSystemWriter.write_data
+
+    def write_data(self, plan, planner):
+        if f"step-{step:06d}" in str(self.path):
+            time.sleep(60)
+        return original(self, plan, planner)
+
+    FileSystemWriter.write_data = write_data
+
+
 def main() -> None:
     slow_down_staging()
     inject_write_failures()
@@ -230,6 +251,8 @@ def main() -> None:
     dist.barrier()
 
 
+if __name__ == "__mp_main__":  # a process writer daemon, spawned by a training process of this script
+    slow_down_daemon_write()
 if __name__ == "__main__":
     main()
     end_worker()  # see helpers.worker_exit: a gloo thread must not outlive the interpreter

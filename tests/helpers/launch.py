@@ -21,7 +21,8 @@ from typing import Optional
 
 from lightning_hybrid.launch.torchrun import free_port, kill_process_group, launcher_command
 
-__all__ = ["TESTS", "free_port", "kill_process_group", "worker_env", "torchrun", "launch", "run_workers"]
+__all__ = ["TESTS", "free_port", "kill_process_group", "worker_env", "torchrun", "launch", "run_workers",
+           "leftover_processes"]
 
 TESTS = Path(__file__).resolve().parents[1]  # the tests folder: worker scripts live here
 
@@ -76,3 +77,30 @@ def run_workers(nproc: int, configs: list[dict], out: Path, timeout: float = 300
     import torch
 
     return {c["name"]: torch.load(out / f"{c['name']}.pt", weights_only=False) for c in configs}
+
+
+def leftover_processes(out: Path, wait: float = 0.0) -> list[int]:
+    """Processes still alive that were started for ``out`` (their environment holds ``OUT=<out>``, as every worker's
+    and everything it spawned does), after waiting up to ``wait`` seconds for them to end."""
+    import time
+
+    mark = f"OUT={out}".encode()
+    deadline = time.monotonic() + wait
+    while True:
+        found = []
+        for entry in Path("/proc").iterdir():
+            if entry.name.isdigit() and int(entry.name) != os.getpid():
+                try:
+                    if mark in (entry / "environ").read_bytes().split(b"\0") and b"Z" not in _state(entry):
+                        found.append(int(entry.name))
+                except OSError:
+                    continue
+        if not found or time.monotonic() >= deadline:
+            return found
+        time.sleep(0.2)
+
+
+def _state(proc: Path) -> bytes:
+    """The state letter of ``/proc/PID/stat`` (``Z``: a zombie, dead and waiting to be reaped)."""
+    stat = (proc / "stat").read_bytes()
+    return stat[stat.rindex(b")") + 2:][:1]
