@@ -27,6 +27,7 @@ from lightning_hybrid.distributed.context_parallel import shard_batch
 from lightning_hybrid.distributed.data_parallel import all_reducing
 from lightning_hybrid.distributed.declared import parallelize_declared
 from lightning_hybrid.distributed.elastic import init_round_process_group
+from lightning_hybrid.distributed.exit_report import report_exits
 from lightning_hybrid.distributed.fault_tolerance import (
     ReplicaGroups,
     check_fault_tolerance,
@@ -176,6 +177,7 @@ class HybridParallelStrategy(ModelParallelStrategy):
 
     @override
     def setup_environment(self) -> None:
+        report_exits(self)  # a user error or a lost peer ends a worker with one line, not a traceback per rank
         self._validate()
         init_round_process_group(self._get_process_group_backend(), self._timeout, self.root_device)
         self._setup_distributed()
@@ -234,9 +236,7 @@ class HybridParallelStrategy(ModelParallelStrategy):
         return self.replica_groups.average_in_step(result)
 
     @override
-    def model_to_device(self) -> None:
-        # A declared model was materialized on the right device already; only move leftover buffers.
-        assert self.model is not None
+    def model_to_device(self) -> None:  # a declared model is on its device already: only leftover buffers move
         if self._spec is None:
             return super().model_to_device()
         move_buffers(self.model, self.root_device)

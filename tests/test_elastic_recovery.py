@@ -7,6 +7,7 @@ on 4 processes, 8 steps, async checkpoints every 2 steps; a run without faults i
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 import time
@@ -156,6 +157,15 @@ def test_sigkill_mid_run_and_during_an_async_write_restart_in_job_to_bitwise_the
     results = _launch(tmp_path, max_restarts=2, HANG_TIMEOUT="none", FAULTS="0:5:1:kill,1:6:2:kill")
     log = _check_clean_success(tmp_path, results)
     assert "Connection refused" not in log
+    # What an operator reads: each surviving rank says in one line that it lost a peer (its rank, the step, what it
+    # was doing, the peer's address) and exits for the restart; no traceback (there were 3 per kill)
+    assert log.count("Traceback") == 0, log[-6000:]
+    lost = re.findall(r"^rank (\d): lost a peer in step (\d+) \((.+?)\): (.+?); exiting with code 1 so that the "
+                      r"launcher restarts the job", log, re.M)
+    assert sorted((rank, step) for rank, step, _, _ in lost) == [("0", "6"), ("0", "7"), ("1", "7"), ("2", "6"),
+                                                                 ("3", "6"), ("3", "7")], log[-6000:]
+    assert len([line for line in log.splitlines() if "lost a peer" in line]) == 6
+    assert any(re.fullmatch(r"the connection to the peer at 127\.0\.0\.1:\d+ closed", cause) for *_, cause in lost)
     assert _steps_by_round(tmp_path) == [[1, 2, 3, 4, 5], [5, 6], [5, 6, 7, 8]]
     final = _final(tmp_path)
     assert final["attempt"] == 2 and final["resumed_from"].endswith("step-000004")
@@ -302,7 +312,7 @@ def test_the_save_on_exception_is_skipped_only_when_the_process_group_is_broken(
         try:
             raise RuntimeError("pipeline step failed") from gone
         except RuntimeError as wrapped:
-            with caplog.at_level("WARNING", logger="lightning_hybrid.callbacks.fault_tolerant"):
+            with caplog.at_level("INFO", logger="lightning_hybrid.callbacks.fault_tolerant"):
                 checkpoint.on_exception(trainer, None, wrapped)
         assert calls == [] and "the process group is broken ([/__w/" in caplog.text, (calls, caplog.text)
         checkpoint.on_exception(trainer, None, ValueError("loss is nan"))  # every rank alive: the save is tried

@@ -56,12 +56,13 @@ def torchrun(nproc: int, args: list[str], timeout: float = 240, env: Optional[di
 
 
 def launch(nproc: int, args: list[str], timeout: float = 240, env: Optional[dict] = None,
-           check: bool = True) -> subprocess.CompletedProcess:
+           check: bool = True, keep_going: bool = False) -> subprocess.CompletedProcess:
     """:func:`torchrun`'s process group (the same environment in each rank, the others stopped when one fails), its
-    ranks forked from :func:`helpers.fork_server.fork_server`; a failure or a hang raises as :func:`torchrun` does."""
+    ranks forked from :func:`helpers.fork_server.fork_server`; a failure or a hang raises as :func:`torchrun` does.
+    ``keep_going``: no rank is stopped for another's failure, and each rank's non-zero exit code is printed."""
     from helpers.fork_server import fork_server
 
-    result = fork_server().launch(nproc, args, env=worker_env(env), timeout=timeout)
+    result = fork_server().launch(nproc, args, env=worker_env(env), timeout=timeout, keep_going=keep_going)
     if check and result.returncode != 0:
         raise AssertionError(f"{result.args[0]} failed ({result.returncode}):\n{result.stdout[-4000:]}\n"
                              f"{result.stderr[-8000:]}")
