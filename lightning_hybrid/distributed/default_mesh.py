@@ -9,18 +9,15 @@ tp=1, pp=1, dp = the world. Pure arithmetic on the options (no torch).
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Optional
+from typing import Any, Callable, Optional
 
-if TYPE_CHECKING:
-    from lightning_hybrid.distributed.parallel_dims import ParallelDims
-    from lightning_hybrid.distributed.parallelize import ParallelOptions
-
-__all__ = ["bare_sizes", "bare_layout_note"]
+__all__ = ["bare_sizes", "bare_layout_note", "log_bare_layout"]
 
 
-def bare_sizes(options: "ParallelOptions") -> bool:
-    """No size was given: ``tp``, ``dp``, ``tensor_parallel_size`` and ``data_parallel_size`` at their defaults, no
-    pipeline, no context parallelism (a bare ``HybridParallelStrategy()``).
+def bare_sizes(options: Any) -> bool:
+    """No size was given in ``options`` (a :class:`~.parallelize.ParallelOptions`): ``tp``, ``dp``,
+    ``tensor_parallel_size`` and ``data_parallel_size`` at their defaults, no pipeline, no context parallelism (a bare
+    ``HybridParallelStrategy()``).
 
     Such a strategy builds, for a module that parallelizes itself (code written for Lightning's
     ``ModelParallelStrategy``, which applies TP to ``self.device_mesh["tensor_parallel"]``), the mesh a bare
@@ -31,8 +28,9 @@ def bare_sizes(options: "ParallelOptions") -> bool:
             and options.data_parallel_size is None and options.pp == 1 and options.cp == 1)
 
 
-def bare_layout_note(options: "ParallelOptions", dims: "ParallelDims", self_parallel: bool) -> Optional[str]:
-    """The one line that says which mesh a bare strategy chose (``None`` when a size was given)."""
+def bare_layout_note(options: Any, dims: Any, self_parallel: bool) -> Optional[str]:
+    """The one line that says which mesh a bare strategy chose for ``dims`` (a :class:`~.parallel_dims.ParallelDims`;
+    ``None`` when a size was given)."""
     if not bare_sizes(options):
         return None
     if self_parallel:
@@ -42,3 +40,10 @@ def bare_layout_note(options: "ParallelOptions", dims: "ParallelDims", self_para
                 f"another")
     return (f"HybridParallelStrategy() without sizes, for a declared model: tp=1, pp=1, dp={dims.dp} "
             f"({options.data_parallel} over every rank); give tp/pp (or 'auto' to plan them) for another")
+
+
+def log_bare_layout(options: Any, dims: Any, self_parallel: bool, log: Optional[Callable[[str], Any]]) -> None:
+    """Give :func:`bare_layout_note`'s line to ``log`` (when there is one and a ``log``)."""
+    note = bare_layout_note(options, dims, self_parallel)
+    if note and log is not None:
+        log(note)

@@ -31,7 +31,7 @@ from lightning_hybrid.distributed.data_parallel import (
     reshard_after_forward,
     without_autocast,
 )
-from lightning_hybrid.distributed.default_mesh import bare_layout_note, bare_sizes
+from lightning_hybrid.distributed.default_mesh import bare_sizes, log_bare_layout
 from lightning_hybrid.distributed.float8 import check_float8, convert_float8, float8_error, float8_tp_plan
 from lightning_hybrid.distributed.materialize import materialize
 from lightning_hybrid.distributed.parallel_dims import ParallelDims, data_mesh
@@ -303,9 +303,7 @@ def check_options(options: ParallelOptions, world_size: int, devices_per_node: O
         plan_stages(spec, num_blocks, options.pp * options.virtual_stages, options.pp_split_points)
     elif options.virtual_stages != 1:
         raise ValueError(f"virtual_stages={options.virtual_stages} needs pp>1; use virtual_stages=1")
-    note = bare_layout_note(options, dims, self_parallel=spec is None)
-    if note and log is not None:
-        log(note)
+    log_bare_layout(options, dims, spec is None, log)
     return dims
 
 
