@@ -101,16 +101,23 @@ def fill_disk(path: Path, leave: int = 0) -> None:
 def inject_dcp_like_failures() -> None:
     """FAIL_LIKE_DCP_AT=N: DCP's own file writer raises ENOSPC while writing the step-N checkpoint, so DCP wraps it
     exactly as for a full disk (CheckpointException, from the background thread when async)."""
+    def no_space_left() -> None:
+        raise OSError(28, "No space left on device")
+
     fail_at = int(env("FAIL_LIKE_DCP_AT", "0"))
-    if not fail_at:
-        return
+    if fail_at:
+        before_writing(fail_at, no_space_left)
+
+
+def before_writing(step: int, action) -> None:
+    """Run ``action`` in DCP's file writer (local or fsspec) before it writes the step-``step`` checkpoint's data."""
     from torch.distributed.checkpoint.filesystem import FileSystemWriter
 
     original = FileSystemWriter.write_data
 
     def write_data(self, plan, planner):
-        if f"step-{fail_at:06d}" in str(self.path):
-            raise OSError(28, "No space left on device")
+        if f"step-{step:06d}" in str(self.path):
+            action()
         return original(self, plan, planner)
 
     FileSystemWriter.write_data = write_data
@@ -206,18 +213,8 @@ def slow_down_daemon_write() -> None:
     the step-N checkpoint sleeps 60 s before it starts: a daemon busy with a long upload when its training process
     dies."""
     step = int(env("SLOW_DAEMON_WRITE_AT", "0"))
-    if not step:
-        return
-    from torch.distributed.checkpoint.filesystem import FileSystemWriter
-
-    original = FileSystemWriter.write_data
-
-    def write_data(self, plan, planner):
-        if f"step-{step:06d}" in str(self.path):
-            time.sleep(60)
-        return original(self, plan, planner)
-
-    FileSystemWriter.write_data = write_data
+    if step:
+        before_writing(step, lambda: time.sleep(60))
 
 
 def main() -> None:
