@@ -26,9 +26,17 @@ class Exited(Exception):
         self.code = code
 
 
+class Strategy:
+    """Rank 3 of 4 after 5 steps (the hook holds it weakly, as it holds a real strategy)."""
+
+    world_size, global_rank = 4, 3
+    lightning_module = SimpleNamespace(trainer=SimpleNamespace(global_step=5))
+
+
 @pytest.fixture
 def hook(monkeypatch):
-    """A fresh hook over a recording "previous" hook, for rank 3 of 4 after 5 steps; returns (hook, seen, stderr)."""
+    """A fresh hook over a recording "previous" hook, for rank 3 of 4 after 5 steps; returns (hook, what the
+    previous hook saw, stderr, the strategy)."""
     seen: list = []
     stderr = io.StringIO()
     monkeypatch.setattr(sys, "excepthook", lambda *args: seen.append(args[1]))
@@ -36,8 +44,7 @@ def hook(monkeypatch):
     monkeypatch.setattr(exit_report.os, "_exit", lambda code: (_ for _ in ()).throw(Exited(code)))
     monkeypatch.delenv(exit_report.DEBUG_ENV, raising=False)
     monkeypatch.setenv("RANK", "3")
-    strategy = SimpleNamespace(world_size=4, global_rank=3,
-                               lightning_module=SimpleNamespace(trainer=SimpleNamespace(global_step=5)))
+    strategy = Strategy()
     exit_report.report_exits(strategy)
     installed = sys.excepthook
     assert isinstance(installed, exit_report._ExitReport)
@@ -123,3 +130,15 @@ def test_a_collective_error_without_an_address_keeps_its_first_line(hook):
     err = dist.DistBackendError("NCCL communicator was aborted on rank 5.\nmore details")
     line = exit_report.peer_lost_line(_raised(err), 2, 0)
     assert line.startswith("rank 2: lost a peer in step 1 (training): NCCL communicator was aborted on rank 5; ")
+
+
+def test_the_hook_keeps_no_finished_run_alive(hook):
+    import gc
+
+    report, seen, stderr, _ = hook
+    report.strategy = Strategy()  # the only reference is the hook's (weak): gone with the run
+    gc.collect()
+    assert report.strategy is None
+    gone = _raised(RuntimeError(GLOO_PEER_GONE))
+    report(type(gone), gone, gone.__traceback__)
+    assert seen == [gone] and stderr.getvalue() == ""

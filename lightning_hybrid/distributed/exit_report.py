@@ -24,6 +24,7 @@ import logging
 import os
 import re
 import sys
+import weakref
 from pathlib import Path
 from types import TracebackType
 from typing import Any, Callable, Optional
@@ -131,7 +132,15 @@ class _ExitReport:
 
     def __init__(self, previous: Callable[..., Any]) -> None:
         self.previous = previous
-        self.strategy: Any = None
+        self._strategy: Callable[[], Any] = lambda: None  # a weak reference: the hook keeps no finished run alive
+
+    @property
+    def strategy(self) -> Any:
+        return self._strategy()
+
+    @strategy.setter
+    def strategy(self, strategy: Any) -> None:
+        self._strategy = weakref.ref(strategy)
 
     def __call__(self, kind: type, err: BaseException, tb: Optional[TracebackType]) -> None:
         line, code, printed = self.describe(err)
