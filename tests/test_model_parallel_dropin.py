@@ -404,3 +404,83 @@ def test_a_branch_one_dp_rank_skips_trains_like_one_process_over_the_global_batc
     for names in (list(expected), ["adapter.weight", "adapter.bias"]):  # the whole model, and the adapter alone
         diff = torch.cat([(final[k] - expected[k]).flatten() for k in names])
         assert float(diff.norm() / torch.cat([expected[k].flatten() for k in names]).norm()) < TOL, names
+
+
+# ------------------------------------------------------------------------------------------------ more of Lightning's
+# unit scenarios, in process: what a self-parallelizing module meets in setup, saving and loading
+
+def _set_up(module: L.LightningModule, **kwargs) -> HybridParallelStrategy:
+    """``setup`` of the strategy for ``module`` on one CPU, without a Trainer or a process group (sizes unresolved:
+    nothing is replicated)."""
+    strategy = HybridParallelStrategy(**kwargs)
+    strategy.model = strategy._lightning_module = module
+    strategy._accelerator = Mock()
+    strategy._parallel_devices = [torch.device("cpu")]
+    strategy.setup(Mock())
+    return strategy
+
+
+def test_a_module_wrapped_in_the_legacy_fsdp_is_refused():
+    from torch.distributed.fsdp import FullyShardedDataParallel
+
+    module = SelfParallelizing()
+    module.modules = Mock(return_value=[Mock(spec=FullyShardedDataParallel)])
+    with pytest.raises(TypeError, match="only supports the new FSDP2 APIs"):
+        _set_up(module)
+
+
+def test_meta_device_weights_are_materialized_by_reset_parameters_and_a_module_without_it_is_named():
+    class Ones(torch.nn.Module):  # no reset_parameters(): left uninitialized, and named in a warning
+        def __init__(self) -> None:
+            super().__init__()
+            self.weight = torch.nn.Parameter(torch.ones(4, 4))
+
+    class Module(SelfParallelizing):
+        def __init__(self) -> None:
+            super().__init__()
+            self.block = torch.nn.Sequential(Ones(), Ones())
+            self.register_buffer("scale", torch.rand(2))
+
+        def reset_parameters(self) -> None:
+            self.scale.fill_(1.0)
+
+    with torch.device("meta"):
+        module = Module()
+    assert module.layer.weight.is_meta and module.block[0].weight.is_meta and module.scale.is_meta
+    with pytest.warns(UserWarning, match=r"`reset_parameters\(\)` method for re-initialization: Ones"):
+        _set_up(module)
+    assert not any(t.is_meta for t in [*module.parameters(), *module.buffers()])
+
+
+def test_a_full_checkpoint_never_replaces_a_folder_that_is_not_a_checkpoint(tmp_path, monkeypatch):
+    strategy = HybridParallelStrategy(save_distributed_checkpoint=False)
+    monkeypatch.setattr(HybridParallelStrategy, "broadcast", lambda self, obj, src=0: obj)
+    strategy._lightning_module = SelfParallelizing()
+    folder = tmp_path / "not-a-checkpoint"
+    folder.mkdir()
+    (folder / "notes.txt").write_text("mine")
+    with pytest.raises(IsADirectoryError, match="exists and is a directory"):
+        strategy.save_checkpoint({"state_dict": {}}, filepath=folder)
+    assert (folder / "notes.txt").read_text() == "mine"
+
+
+def test_a_module_built_in_the_init_context_trains_in_the_precision_asked_for(tmp_path):
+    class Module(SelfParallelizing):
+        def training_step(self, batch, batch_idx):
+            self.seen = (self.layer.weight.dtype, self.layer.weight.device.type)
+            return self.layer(batch).float().sum()
+
+        def train_dataloader(self):
+            return torch.utils.data.DataLoader(torch.randn(4, 4), batch_size=2)
+
+        def configure_optimizers(self):
+            return torch.optim.SGD(self.parameters(), lr=0.1)
+
+    trainer = L.Trainer(strategy=HybridParallelStrategy(), accelerator="cpu", devices=1, precision="bf16-true",
+                        max_steps=1, logger=False, enable_checkpointing=False, enable_progress_bar=False,
+                        enable_model_summary=False, default_root_dir=tmp_path)
+    with trainer.init_module(empty_init=True):
+        module = Module()
+    assert module.layer.weight.is_meta and module.layer.weight.dtype == torch.bfloat16
+    trainer.fit(module)
+    assert module.seen == (torch.bfloat16, "cpu") and trainer.global_step == 1
