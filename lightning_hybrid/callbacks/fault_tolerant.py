@@ -246,7 +246,7 @@ class FaultTolerantCheckpoint(pl.Callback):
         verdict: list = []
         if trainer.is_global_zero:
             lineage, error = claim_folder(self.dirpath, source, self.on_foreign, rank_zero_warn,
-                                          model_config_of(trainer.lightning_module))
+                                          model_config_of(getattr(trainer, "lightning_module", None)))
             verdict = [lineage.run_id, lineage.adopt_unlabelled, error]
         run_id, adopt, error = trainer.strategy.broadcast(verdict)
         if error:

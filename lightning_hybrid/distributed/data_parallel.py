@@ -172,6 +172,18 @@ def _bucketed(params: list[Tensor], bucket_bytes: Optional[int]) -> list[list[Te
     return [bucket for buckets in groups.values() for bucket in buckets]
 
 
+def _as_parameter_layout(param: Tensor) -> None:
+    """Give a DTensor gradient its parameter's placements (a vocabulary-sharded embedding's gradient can come out
+    replicated or partial): every rank then reduces a slot of the parameter's local size, which a rank without
+    gradient fills with zeros. From replicated, a local slice; from partial, a sum over the tensor-parallel group,
+    whose ranks all have the gradient (they run the same batch)."""
+    from torch.distributed.tensor import DTensor
+
+    grad = param.grad
+    if isinstance(grad, DTensor) and isinstance(param, DTensor) and tuple(grad.placements) != tuple(param.placements):
+        param.grad = grad.redistribute(param.device_mesh, param.placements)
+
+
 @torch.no_grad()
 def reduce_gradients(parameters: Iterable[Tensor], reduce: Callable[[Tensor], Any], divide_by: int = 1,
                      reduce_dtype: Optional[torch.dtype] = None,
@@ -190,6 +202,8 @@ def reduce_gradients(parameters: Iterable[Tensor], reduce: Callable[[Tensor], An
     the same shard on every rank of the reduction.
     """
     params = [p for p in parameters if p.requires_grad]
+    for param in params:
+        _as_parameter_layout(param)
     for bucket in _bucketed(params, bucket_bytes):
         locals_ = [_local(p) for p in bucket]
         sizes = [t.numel() for t in locals_]
