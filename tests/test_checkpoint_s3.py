@@ -191,7 +191,7 @@ def test_sigkill_during_a_background_process_write_commits_nothing_and_leaves_no
                   KEEP=2, SLOW_DAEMON_WRITE_AT=4)
     assert result.returncode != 0
     assert leftover_processes(tmp_path, wait=15) == []
-    assert _steps("process_killed") == ["step-000002"]
+    assert _steps("process_killed") == ["step-000002"], (result.stdout + result.stderr)[-6000:]
     assert "step-000004/meta.json" not in _objects("process_killed")
 
 
