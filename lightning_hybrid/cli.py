@@ -78,7 +78,7 @@ def check_files(model: Any, ckpt_path: Optional[str] = None) -> None:
     init_from_hf = getattr(model, "hparams", {}).get("init_from_hf")
     config = getattr(model, "config", None)
     if init_from_hf and config is not None:
-        from lightning_hybrid.models.qwen2.hf import check_hf_folder
+        from lightning_hybrid.models.decoder.hf import check_hf_folder
 
         check_hf_folder(init_from_hf, config)
 

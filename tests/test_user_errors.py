@@ -79,6 +79,20 @@ CASES = [
      "no-such-folder: no such folder, and not a Hugging Face repo id"),
     ("corrupted_safetensors", FIT + ["--model.init_from_hf", "{corrupted_hf}"],
      "model.safetensors: not a readable safetensors file ("),
+    # a Hugging Face config.json the decoder core cannot compute exactly: refused before any process starts
+    ("family_model_type", FIT + ["--model.model", "{hf_model_type}"],
+     "model_type='gpt_neox' is not supported; use one of qwen2, llama, qwen3, mistral"),
+    ("family_activation", FIT + ["--model.model", "{hf_activation}"],
+     "hidden_act='gelu' is not supported; only 'silu'"),
+    ("family_rope_type", FIT + ["--model.model", "{hf_rope_type}"],
+     "rope scaling type 'longrope' is not implemented; use default, llama3, yarn"),
+    ("family_sliding_window", FIT + ["--model.model", "{hf_sliding_window}"],
+     "sliding_window=4096 is not supported (sliding-window attention is not implemented); set it to null"),
+    ("family_head_dim", FIT + ["--model.model", "{hf_head_dim}"],
+     "head_dim=15 must be a positive even integer (RoPE turns pairs of dimensions)"),
+    ("family_tp_does_not_divide_kv_heads", FIT + ["--model.model", "tiny-qwen3", "--trainer.strategy.init_args.tp", "4",
+                                                  "--trainer.devices", "4"],
+     "tp=4 does not divide num_key_value_heads=2; use tp in 1 or 2"),
     ("prepare_data_empty_input", ["prepare-data", "--tokenizer", "{tokenizer}", "--input", "{tmp}/empty.txt",
                                   "--output", "{tmp}/prepared", "--seq-len", "16", "--eos-token", "</s>"],
      "empty.txt) give 1 tokens, fewer than one sequence of seq_len=16 needs (17); add text or lower --seq-len; "
@@ -95,7 +109,26 @@ def _placeholders(tmp: Path) -> dict[str, str]:
     (corrupted / "model.safetensors").write_bytes(b"\xff" * 64)
     (tmp / "empty.txt").write_text("")
     return {"{bad_yaml}": str(_bad_yaml(tmp)), "{tmp}": str(tmp), "{trainr_yaml}": str(trainr),
-            "{corrupted_hf}": str(corrupted), "{tokenizer}": str(_byte_tokenizer(tmp))}
+            "{corrupted_hf}": str(corrupted), "{tokenizer}": str(_byte_tokenizer(tmp)), **_family_configs(tmp)}
+
+
+def _family_configs(tmp: Path) -> dict[str, str]:
+    """Folders with a ``config.json`` of a tiny Llama-shaped model, each with one field the core does not compute."""
+    import json
+
+    llama = {"model_type": "llama", "vocab_size": 256, "hidden_size": 64, "intermediate_size": 176,
+             "num_hidden_layers": 4, "num_attention_heads": 4, "num_key_value_heads": 2, "hidden_act": "silu",
+             "max_position_embeddings": 1024, "rope_theta": 10000.0, "rms_norm_eps": 1e-5}
+    cases = {"model_type": {"model_type": "gpt_neox"}, "activation": {"hidden_act": "gelu"},
+             "rope_type": {"rope_scaling": {"rope_type": "longrope", "factor": 2.0}},
+             "sliding_window": {"model_type": "mistral", "sliding_window": 4096}, "head_dim": {"head_dim": 15}}
+    folders = {}
+    for name, change in cases.items():
+        folder = tmp / f"hf-{name}"
+        folder.mkdir(exist_ok=True)
+        (folder / "config.json").write_text(json.dumps({**llama, **change}))
+        folders[f"{{hf_{name}}}"] = str(folder)
+    return folders
 
 
 def _byte_tokenizer(tmp: Path) -> Path:

@@ -54,7 +54,7 @@ def _layout(job: DryRunJob, dims: Any, options: Any) -> Any:
                   micro_batch_size=job.batch_size // m, microbatches=m,
                   schedule=options.pp_schedule if dims.pp > 1 else "none", virtual_stages=options.virtual_stages,
                   recompute=options.activation_checkpointing, sequence_parallel=options.sequence_parallel,
-                  dp_shard=dims.dp_shard if options.data_parallel == "hsdp" else 0)
+                  cp=dims.cp, dp_shard=dims.dp_shard if options.data_parallel == "hsdp" else 0)
 
 
 def predict(job: DryRunJob, config: Any, dims: Any, options: Any, result: RankResult, gpu: str,
@@ -74,10 +74,11 @@ def predict(job: DryRunJob, config: Any, dims: Any, options: Any, result: RankRe
 
     c = result.coordinates
     stage_style = "v" if options.pp_schedule in V_SHAPED else "loop"
-    # FSDP shards over dp, HSDP inside groups of dp_shard consecutive dp ranks (dp_shard == dp without HSDP): the
-    # rank's state is FSDP's over its shard group
+    # FSDP shards over dp x cp, HSDP inside groups of dp_shard consecutive dp ranks (dp_shard == dp without HSDP) x cp:
+    # the rank's state is FSDP's over its shard group, where its index is (dp within the group, cp) flattened
     mode = "fsdp" if options.data_parallel == "hsdp" else options.data_parallel
-    state = rank_memory(config, dims.tp, dims.pp, dims.dp_shard, mode, c["pp"], c["tp"], c["dp"] % dims.dp_shard,
+    shard_index = (c["dp"] % dims.dp_shard) * dims.cp + c.get("cp", 0)
+    state = rank_memory(config, dims.tp, dims.pp, dims.dp_shard * dims.cp, mode, c["pp"], c["tp"], shard_index,
                         job.precision, "adamw", options.virtual_stages, stage_style)
     hw = Hardware(SYSTEM_GPUS[gpu], job.world_size, job.devices_per_node)
     problem = Problem(config, hw, job.seq_len, job.batch_size * dims.dp, job.precision,
