@@ -53,6 +53,10 @@ class ParallelSpec:
             calls for attention and for the global token positions of RoPE. Context parallelism (``cp>1``)
             replaces it with ring attention over the sequence shards; ``None``: the model declares none, and
             cannot be trained with ``cp>1``.
+        block_experts: attribute of a block holding its mixture-of-experts layer in the blocks that have one (an
+            experts layer: see :data:`EXPERTS_LAYER`); ``None``: the model has none. Expert parallelism
+            (``ep>1``) splits those layers' experts, and ``block_plan`` entries under this attribute apply only to the
+            blocks where it holds a dense MLP.
         tp_divisible: config field -> value that the tensor-parallel size must divide.
         block_cost: relative compute cost of one block (for pipeline balancing).
         embedding_cost: relative cost of the embedding, in the same unit.
@@ -69,6 +73,7 @@ class ParallelSpec:
     head_norms: tuple[str, ...] = ()
     block_attention: Optional[str] = None
     attention_core: Optional[str] = None
+    block_experts: Optional[str] = None
     tp_divisible: dict[str, int] = field(default_factory=dict)
     block_cost: float = 1.0
     embedding_cost: float = 0.0

@@ -44,7 +44,9 @@ _IGNORED_HF = re.compile(r"model\.layers\.\d+\.self_attn\.rotary_emb\.inv_freq")
 # Fields of config.json that decide shapes or math; all must agree with the model asked for.
 ARCHITECTURE_FIELDS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
                        "num_attention_heads", "num_key_value_heads", "tie_word_embeddings", "rope_theta",
-                       "rms_norm_eps", "attention_bias", "model_type", "head_dim", "rope_scaling")
+                       "rms_norm_eps", "attention_bias", "model_type", "head_dim", "rope_scaling", "num_experts",
+                       "num_experts_per_tok", "moe_intermediate_size", "norm_topk_prob", "mlp_only_layers",
+                       "decoder_sparse_step")
 
 # Files of a Hugging Face folder that belong to the tokenizer (copied on export).
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.json", "merges.txt", "special_tokens_map.json",
@@ -339,8 +341,9 @@ def hf_config_dict(config: DecoderConfig, dtype_name: str, base: Optional[dict[s
     if config.model_type in MLP_BIAS_FIELD:
         values["mlp_bias"] = False
     fields = config.to_dict()
-    for key in ("name", "model_type", "rope_scaling"):
+    for key in ("name", "model_type", "rope_scaling", "router_bias_update_rate"):
         fields.pop(key, None)
+    values.pop("num_local_experts", None)  # written as num_experts, which transformers 4 and 5 both read
     if config.model_type != "qwen2" or config.head_dim * config.num_attention_heads != config.hidden_size:
         fields["head_dim"] = config.head_dim
     values.update(fields)
