@@ -15,13 +15,26 @@ from typing import TYPE_CHECKING, Any, Optional
 if TYPE_CHECKING:
     from torch import Tensor
 
-__all__ = ["ParallelSpec", "TP_STYLES", "IGNORE_INDEX", "declared_spec", "token_mean_loss"]
+__all__ = ["ParallelSpec", "TP_STYLES", "IGNORE_INDEX", "EXPERTS_LAYER", "declared_spec", "token_mean_loss",
+           "is_experts_layer", "experts_layers"]
 
 # Label value that the loss ignores (padding, prompt tokens), as in torch's cross_entropy and Hugging Face.
 IGNORE_INDEX = -100
 
 # The tensor-parallel styles a plan may name; the strategy maps them onto torch's TP styles.
 TP_STYLES = ("colwise", "rowwise")
+
+# What a mixture-of-experts layer (a block's ``ParallelSpec.block_experts``; the decoder core's
+# ``models/decoder/moe.py``) holds for a strategy to read and set, by name:
+# - ``num_experts`` (read) and ``experts``: a module whose parameters are the experts' weights with the experts first
+#   (expert parallelism shards them on dim 0); calling it with ``(tokens sorted by expert, rows per expert)`` computes
+#   the experts it holds;
+# - ``dispatch(x, index, weights, experts)``: how the routed (token, expert) pairs reach their experts and come back
+#   weighted and summed per token (replaced by the all-to-all under ``ep>1``);
+# - ``reduce_load(stats)``: sums the layer's load statistics over the ranks that see different tokens (no gradient);
+# - ``data_ranks``: how many such ranks average their gradients;
+# - ``grad_scale``: the weight of this micro-batch's load-balancing gradient (1 / micro-batches per optimizer step).
+EXPERTS_LAYER = ("num_experts", "experts", "dispatch", "reduce_load", "data_ranks", "grad_scale")
 
 
 @dataclass(frozen=True)
@@ -58,6 +71,7 @@ class ParallelSpec:
             (``ep>1``) splits those layers' experts, and ``block_plan`` entries under this attribute apply only to the
             blocks where it holds a dense MLP.
         tp_divisible: config field -> value that the tensor-parallel size must divide.
+        ep_divisible: config field -> value that the expert-parallel size must divide (``num_experts``).
         block_cost: relative compute cost of one block (for pipeline balancing).
         embedding_cost: relative cost of the embedding, in the same unit.
         head_cost: relative cost of final norm plus head plus loss, in the same unit.
@@ -75,6 +89,7 @@ class ParallelSpec:
     attention_core: Optional[str] = None
     block_experts: Optional[str] = None
     tp_divisible: dict[str, int] = field(default_factory=dict)
+    ep_divisible: dict[str, int] = field(default_factory=dict)
     block_cost: float = 1.0
     embedding_cost: float = 0.0
     head_cost: float = 0.0
@@ -101,6 +116,16 @@ def declared_spec(module: Any) -> Optional[ParallelSpec]:
         raise TypeError(f"{type(module).__name__}.parallel_spec() returned {type(spec).__name__}, not a ParallelSpec; "
                         f"return lightning_hybrid.models.spec.ParallelSpec(...) or remove the method")
     return spec
+
+
+def is_experts_layer(module: Any) -> bool:
+    """Whether ``module`` is a mixture-of-experts layer (it has every attribute of :data:`EXPERTS_LAYER`)."""
+    return all(hasattr(module, name) for name in EXPERTS_LAYER)
+
+
+def experts_layers(module: Any) -> list[Any]:
+    """The mixture-of-experts layers inside ``module`` (a model, a pipeline stage), in module order."""
+    return [m for m in module.modules() if is_experts_layer(m)]
 
 
 def token_mean_loss(loss_sum: "Tensor", global_count: "Tensor", data_ranks: int = 1,

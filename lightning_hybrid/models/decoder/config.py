@@ -381,6 +381,7 @@ def parallel_spec(config: DecoderConfig) -> ParallelSpec:
         block_attention="self_attn",
         attention_core="core",
         block_experts="mlp" if c.has_experts else None,
+        ep_divisible={"num_experts": c.num_experts} if c.has_experts else {},
         tp_divisible={"num_attention_heads": c.num_attention_heads,
                       "num_key_value_heads": c.num_key_value_heads},
         block_cost=1.0,

@@ -37,7 +37,10 @@ from torch import Tensor, nn
 from lightning_hybrid.models.decoder.config import DecoderConfig
 
 __all__ = ["MoE", "Router", "Experts", "expert_mlp", "local_dispatch", "grouped_gemm_supported", "route",
-           "MoEStepStats"]
+           "MoEStepStats", "moe_layers", "step_metrics", "METRICS"]
+
+# What :func:`step_metrics` gives per sparse layer, in order (logged as ``moe/layer_N/<name>``).
+METRICS = ("load_max_over_mean", "aux_loss", "dropped_tokens")
 
 
 def grouped_gemm_supported(tokens: Tensor, weight: Tensor) -> bool:
@@ -67,12 +70,12 @@ def expert_mlp(tokens: Tensor, counts: list[int], gate_up: Tensor, down: Tensor,
         gate, up = hidden.chunk(2, dim=-1)
         return torch._grouped_mm((F.silu(gate) * up).contiguous(), down.transpose(-2, -1), offs=offsets)
     outputs = []
+    # An expert without rows is computed too (an empty matmul): every weight gets a gradient, zero or not, on every
+    # rank, so the gradient reductions over the data ranks see the same tensors everywhere.
     for expert, rows in enumerate(tokens.split(counts)):
-        if rows.shape[0] == 0:
-            continue
         gate, up = F.linear(rows, gate_up[expert]).chunk(2, dim=-1)
         outputs.append(F.linear(F.silu(gate) * up, down[expert]))
-    return torch.cat(outputs) if outputs else tokens.new_zeros(0, down.shape[1])
+    return torch.cat(outputs)
 
 
 def _local(weight: Tensor) -> Tensor:
@@ -262,3 +265,31 @@ class MoE(nn.Module):
             load = self.stats.load.to(bias.dtype)
             bias += self.bias_update_rate * torch.sign(load.mean() - load)
         self.stats = MoEStepStats()
+
+
+def moe_layers(model: nn.Module) -> dict[int, MoE]:
+    """The mixture-of-experts layers of ``model`` (a model or a pipeline stage's container) by global block index."""
+    found = {}
+    for name, module in model.named_modules():
+        if isinstance(module, MoE):
+            found[int(name.split("layers.")[1].split(".")[0])] = module
+    return found
+
+
+@torch.no_grad()
+def step_metrics(layers: dict[int, MoE], num_layers: int, device: torch.device) -> Tensor:
+    """(num_layers, len(METRICS) + 1) float64: per layer of ``layers`` its step's :data:`METRICS` (the load of the
+    busiest expert over the mean load, the mean load-balancing loss over the micro-batches, the dropped (token,
+    expert) pairs) and a 1 that marks it present; zeros for the other layers (a sum over the pipeline stages gives
+    every layer once per rank that holds it)."""
+    table = torch.zeros(num_layers, len(METRICS) + 1, dtype=torch.float64, device=device)
+    for index, layer in layers.items():
+        stats = layer.stats
+        if stats.load is None:
+            continue
+        load = stats.load.to(device)
+        table[index, 0] = load.max() / load.mean().clamp(min=1e-12)
+        table[index, 1] = stats.aux_loss.to(device) / stats.microbatches
+        table[index, 2] = stats.dropped.to(device)
+        table[index, 3] = 1.0
+    return table
