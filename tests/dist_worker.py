@@ -11,6 +11,7 @@ import json
 import os
 import sys
 from pathlib import Path
+from typing import Optional
 
 import lightning as L
 import torch
@@ -50,17 +51,20 @@ class SaveAt(L.Callback):
             trainer.should_stop = True  # as if the job died here: the LR schedule still spans all steps
 
 
-def _module(kind: str) -> L.LightningModule:
+def _module(kind: str, hf: Optional[str] = None) -> L.LightningModule:
     if kind == "model_parallel_user":
         from user_module import UserTPModule
 
         return UserTPModule()
+    if hf is not None:  # a Hugging Face folder: its family and its weights
+        return CausalLM(hf, init_from_hf=hf, **make_trainer_kwargs()["module"])
     return CausalLM(tiny_config(), **make_trainer_kwargs()["module"])
 
 
-def _fit(config: dict, kind: str, trainer_extra: dict, callbacks: list, ckpt_path=None, max_steps=None):
+def _fit(config: dict, kind: str, trainer_extra: dict, callbacks: list, ckpt_path=None, max_steps=None,
+         hf: Optional[str] = None):
     world = int(os.environ["WORLD_SIZE"])
-    module = _module(kind)
+    module = _module(kind, hf)
     kwargs = {**make_trainer_kwargs()["trainer"], **trainer_extra}
     if max_steps is not None:
         kwargs["max_steps"] = max_steps
@@ -91,6 +95,8 @@ def run(config: dict, out: Path) -> None:
     resume_config = config.pop("resume_config", None)
     load_from = config.pop("load_from", None)      # resume from an existing checkpoint
     stop_after_save = config.pop("stop_after_save", False)
+    hf = config.pop("hf", None)                    # a Hugging Face folder to build the model from and load
+    export_to = config.pop("save_end", None)       # save a checkpoint there at the end (for export-hf)
     import lightning_hybrid.distributed.activation_checkpoint as recompute_and_compile
     # the compile-under-TP workaround switched off (tests/test_compile_tp.py shows the wrong gradients then)
     recompute_and_compile.TP_COMPILE_WORKAROUND = config.pop("tp_compile_workaround", True)
@@ -104,7 +110,9 @@ def run(config: dict, out: Path) -> None:
             config = dict(resume_config or config)
             trainer, module, val = _fit(dict(config), kind, trainer_extra, [losses], ckpt_path=ckpt)
     else:
-        trainer, module, val = _fit(dict(config), kind, trainer_extra, [losses, weights], ckpt_path=load_from)
+        trainer, module, val = _fit(dict(config), kind, trainer_extra, [losses, weights], ckpt_path=load_from, hf=hf)
+    if export_to is not None:
+        trainer.save_checkpoint(out / export_to)
     final = full_weights(module.model)
     record = {"losses": losses.losses, "val_loss": float(trainer.callback_metrics["val_loss"])
               if "val_loss" in trainer.callback_metrics else None, "initial": weights.initial, "final": final,
