@@ -41,7 +41,7 @@ if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
 
 __all__ = ["apply_expert_parallel", "AllToAllDispatch", "LoadReduction", "experts_tp_plan", "shard_experts",
-           "experts_mesh", "set_balance_grad_scale", "all_to_all_bytes"]
+           "experts_mesh", "set_balance_grad_scale", "all_to_all_bytes", "keep_step_statistics"]
 
 
 class LoadReduction:
@@ -117,6 +117,13 @@ def set_balance_grad_scale(module: nn.Module, scale: float) -> None:
         layer.grad_scale = scale
 
 
+def keep_step_statistics(module: nn.Module, microbatches: int) -> None:
+    """After a pipeline step: the layers of ``module`` keep the statistics of the step's ``microbatches`` forwards
+    only (torch's pipeline stages infer their shapes at a first step by running once more, on made-up inputs)."""
+    for layer in experts_layers(module):
+        layer.stats.keep_last(microbatches)
+
+
 def apply_expert_parallel(module: nn.Module, dims: ParallelDims, mesh: "DeviceMesh") -> None:
     """Make the mixture-of-experts layers of ``module`` (a meta-device model or stage) balance over every data rank
     and, with ``ep>1``, split their experts over the ep ranks with all-to-all dispatch."""
@@ -150,12 +157,14 @@ def shard_experts(module: nn.Module, mesh: "DeviceMesh", dims: ParallelDims, res
     if dims.ep == 1:
         return
     policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
+    shard_mesh = experts_mesh(mesh, dims)
     for layer in experts_layers(module):
-        unit = fully_shard(layer.experts, mesh=experts_mesh(mesh, dims), reshard_after_forward=reshard_after_forward,
+        unit = fully_shard(layer.experts, mesh=shard_mesh, reshard_after_forward=reshard_after_forward,
                            mp_policy=policy)
         unit.set_gradient_divide_factor(float(dims.data_ranks))
-        # a sum, then the division (another factor than the mesh size would need NCCL's PREMUL_SUM, which gloo lacks)
-        unit.set_force_sum_reduction_for_comms(True)
+        # A sum, then the division: another factor than the mesh size is NCCL's PREMUL_SUM otherwise, which gloo lacks.
+        # Not on a one-rank mesh: torch 2.13 then divides once without the collective and once more after it.
+        unit.set_force_sum_reduction_for_comms(shard_mesh.size() > 1)
 
 
 def experts_tp_plan(plan: dict, block: nn.Module, spec: ParallelSpec, sequence_parallel: bool) -> dict:

@@ -33,8 +33,9 @@ TP_STYLES = ("colwise", "rowwise")
 #   weighted and summed per token (replaced by the all-to-all under ``ep>1``);
 # - ``reduce_load(stats)``: sums the layer's load statistics over the ranks that see different tokens (no gradient);
 # - ``data_ranks``: how many such ranks average their gradients;
-# - ``grad_scale``: the weight of this micro-batch's load-balancing gradient (1 / micro-batches per optimizer step).
-EXPERTS_LAYER = ("num_experts", "experts", "dispatch", "reduce_load", "data_ranks", "grad_scale")
+# - ``grad_scale``: the weight of this micro-batch's load-balancing gradient (1 / micro-batches per optimizer step);
+# - ``stats.keep_last(n)``: keep the statistics of the step's last ``n`` forwards only.
+EXPERTS_LAYER = ("num_experts", "experts", "dispatch", "reduce_load", "data_ranks", "grad_scale", "stats")
 
 
 @dataclass(frozen=True)

@@ -60,18 +60,22 @@ def trainer_kwargs(**extra: Any) -> dict:
 
 
 class Recorder(L.Callback):
-    """Per optimizer step: the logged loss, each sparse layer's load-balancing loss and load balance."""
+    """Per optimizer step: the loss (the mean of its micro-batches' logged losses under gradient accumulation), the
+    load-balancing loss (the mean over the sparse layers) and the worst layer's load balance."""
 
     def __init__(self) -> None:
         self.losses: list[float] = []
         self.aux: list[float] = []
         self.load: list[float] = []
+        self._micro: list[float] = []
 
     def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any,
                            batch_idx: int) -> None:
+        metrics = trainer.callback_metrics
+        self._micro.append(float(metrics["train_loss"]))
         if (batch_idx + 1) % trainer.accumulate_grad_batches:
             return
-        metrics = trainer.callback_metrics
-        self.losses.append(float(metrics["train_loss"]))
+        self.losses.append(sum(self._micro) / len(self._micro))
+        self._micro = []
         self.aux.append(float(metrics["moe/aux_loss"]))
         self.load.append(float(metrics["moe/load_max_over_mean"]))

@@ -186,24 +186,37 @@ def _in_backward() -> bool:
 
 
 class MoEStepStats:
-    """What a layer saw since the last optimizer step, summed over its micro-batches and global over the data ranks
-    (tensors on the layer's device, float64): tokens per expert (``load``), the load-balancing loss, micro-batches,
-    and the (token, expert) pairs routed but not computed (``dropped``: 0, the layer is dropless)."""
+    """What a layer saw since the last optimizer step, per micro-batch and global over the data ranks (tensors on the
+    layer's device, float64): tokens per expert (``load``), the load-balancing loss and the (token, expert) pairs
+    routed but not computed (``dropped``: 0, the layer is dropless), summed over the micro-batches kept."""
 
     def __init__(self) -> None:
-        self.load: Optional[Tensor] = None
-        self.aux_loss: Optional[Tensor] = None
-        self.dropped: Optional[Tensor] = None
-        self.microbatches = 0
+        self.entries: list[tuple[Tensor, Tensor, Tensor]] = []
 
     def add(self, load: Tensor, aux_loss: Tensor, dropped: Tensor) -> None:
-        if self.load is None:
-            self.load, self.aux_loss, self.dropped = load.clone(), aux_loss.clone(), dropped.clone()
-        else:
-            self.load += load
-            self.aux_loss += aux_loss
-            self.dropped += dropped
-        self.microbatches += 1
+        self.entries.append((load.clone(), aux_loss.clone(), dropped.clone()))
+
+    def keep_last(self, microbatches: int) -> None:
+        """Forget all but the last ``microbatches`` entries (a pipeline's shape inference runs its stages once more
+        before the real micro-batches, on made-up inputs)."""
+        self.entries = self.entries[len(self.entries) - microbatches:] if len(self.entries) > microbatches \
+            else self.entries
+
+    @property
+    def microbatches(self) -> int:
+        return len(self.entries)
+
+    @property
+    def load(self) -> Optional[Tensor]:
+        return torch.stack([e[0] for e in self.entries]).sum(0) if self.entries else None
+
+    @property
+    def aux_loss(self) -> Optional[Tensor]:
+        return torch.stack([e[1] for e in self.entries]).sum() if self.entries else None
+
+    @property
+    def dropped(self) -> Optional[Tensor]:
+        return torch.stack([e[2] for e in self.entries]).sum() if self.entries else None
 
 
 class MoE(nn.Module):
