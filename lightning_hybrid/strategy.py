@@ -81,7 +81,7 @@ class HybridParallelStrategy(ModelParallelStrategy):
         hang_timeout: seconds without progress after which every rank exits naming the hung rank (600; None: off).
         data_parallel_size, tensor_parallel_size: Lightning's names of dp, tp; ``"auto"``: nodes, devices per node.
         cp: context-parallel size (sequences split, ring attention); ``dp_shard``: HSDP's shard group (``"hsdp"``);
-            ``ep``: expert-parallel size, carved from dp (a mixture of experts' experts split, :mod:`~.expert_parallel`).
+            ``ep``: expert-parallel size, carved from dp (the experts split, see docs/moe.md).
         loss_parallel, bf16_compute_weights, fsdp_reshard_after_forward, async_tp: see docs/performance.md.
         float8: ``None``, ``"tensorwise"``, ``"rowwise"`` or ``"mxfp8"``: float8 block linears (:mod:`~.float8`).
         fault_tolerance, min_replica_groups, ft_timeout: ``"torchft"``: this launch is one replica group of a torchft
