@@ -4,9 +4,9 @@ Launched by ``tests/test_moe_equivalence.py`` (:func:`helpers.launch.launch`). P
 Trainer with ``HybridParallelStrategy(**config)`` training tiny Qwen3-MoE (:mod:`helpers.moe_problem`) for a few
 steps; rank 0 saves the per-step losses, load-balancing losses and load balance, the dropped pairs, the all-to-all
 bytes, and the full (gathered) initial and final weights. Keys besides the strategy's arguments: ``accumulate``
-(Lightning's gradient accumulation), ``force`` (a routing bias that sends every token to expert 0), ``save_at`` (save
-at that step and stop; ``resume``: go on from it in the same configuration) and ``load_from`` (start from an earlier
-configuration's checkpoint).
+(Lightning's gradient accumulation), ``model`` (fields of the model's config), ``force`` (a routing bias that sends
+every token to expert 0), ``save_at`` (save at that step and stop; ``resume``: go on from it in the same
+configuration) and ``load_from`` (start from an earlier configuration's checkpoint).
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ import lightning as L
 import torch
 import torch.distributed as dist
 
-from helpers.gather import full_weights
+from helpers.gather import full_weights, gather_merged
 from helpers.moe_problem import GLOBAL_BATCH, MODULE, SEED, Recorder, loaders, moe_config, trainer_kwargs
 from helpers.worker_exit import end_worker
 from lightning_hybrid import HybridParallelStrategy
@@ -59,9 +59,9 @@ class Initial(L.Callback):
         self.weights = full_weights(pl_module.model)
 
 
-def fit(config: dict, accumulate: int, force: bool, callbacks: list, ckpt_path=None):
+def fit(config: dict, accumulate: int, force: bool, callbacks: list, ckpt_path=None, model=None):
     world = int(os.environ["WORLD_SIZE"])
-    overrides = {"router_bias_update_rate": 1e-12} if force else {}
+    overrides = {"router_bias_update_rate": 1e-12} if force else dict(model or {})
     module = CausalLM(moe_config(**overrides), **MODULE)
     trainer = L.Trainer(strategy=HybridParallelStrategy(**config), devices=world,
                         callbacks=callbacks + ([ForceExpertZero()] if force and ckpt_path is None else []),
@@ -72,21 +72,29 @@ def fit(config: dict, accumulate: int, force: bool, callbacks: list, ckpt_path=N
     return trainer, module
 
 
+def routing_biases(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """The routing biases of auxiliary-loss-free balancing by layer name (every rank holds the same, whole)."""
+    return gather_merged({name: buffer.detach().clone() for name, buffer in model.named_buffers()
+                          if name.endswith("e_score_correction_bias")})
+
+
 def run(config: dict, out: Path) -> None:
     name, accumulate, force = config.pop("name"), config.pop("accumulate", 1), config.pop("force", False)
+    model = config.pop("model", None)
     save_at, resume, load_from = config.pop("save_at", None), config.pop("resume", False), config.pop("load_from", None)
     L.seed_everything(SEED)
     recorder, initial = Recorder(), Initial()
     callbacks = [recorder, initial] + ([SaveAt(save_at, out / f"ckpt_{name}")] if save_at else [])
-    trainer, module = fit(dict(config), accumulate, force, callbacks, out / f"ckpt_{load_from}" if load_from else None)
-    saved = full_weights(module.model) if save_at else None
+    trainer, module = fit(dict(config), accumulate, force, callbacks, out / f"ckpt_{load_from}" if load_from else None,
+                          model)
+    saved = {"weights": full_weights(module.model), "biases": routing_biases(module.model)} if save_at else None
     if save_at and resume:
         L.seed_everything(SEED + 1)  # the resumed run must not depend on the seed it starts with
-        trainer, module = fit(dict(config), accumulate, force, [recorder], out / f"ckpt_{name}")
+        trainer, module = fit(dict(config), accumulate, force, [recorder], out / f"ckpt_{name}", model)
     record = {"losses": recorder.losses, "aux": recorder.aux, "load": recorder.load, "initial": initial.weights,
               "final": full_weights(module.model), "saved": saved,
               "dropped": float(trainer.callback_metrics["moe/dropped_tokens"]),
-              "all_to_all_bytes": all_to_all_bytes(module.model)}
+              "all_to_all_bytes": all_to_all_bytes(module.model), "biases": routing_biases(module.model)}
     if trainer.global_rank == 0:
         torch.save(record, out / f"{name}.pt")
     dist.barrier()

@@ -6,11 +6,12 @@ consecutive ranks, see :mod:`~.parallel_dims`). Each rank of an ep group holds `
 sparse layer (its experts' 3-D weights are DTensors ``Shard(0)`` over ``mesh["ep"]``), and FSDP2 shards those over
 the data ranks left (``mesh["edp"]``, with cp ``mesh["edp_cp"]``). A layer's forward (:class:`AllToAllDispatch`):
 
-1. its (token, expert) pairs sorted by expert, so the pairs of each destination rank are contiguous;
+1. the layer hands over its (token, expert) pairs' rows sorted by expert, so those of each destination rank are
+   contiguous (the layer sorts them and sums the outputs back per token itself);
 2. the pair counts per expert exchanged (one small ``all_to_all_single``), giving every rank its split sizes;
 3. the pairs' hidden states sent with ``all_to_all_single`` of those split sizes (dropless: every pair reaches its
    expert), regrouped by local expert, computed (grouped GEMM where the device has it), ungrouped;
-4. the outputs sent back with the reverse all-to-all, weighted and summed per token.
+4. the outputs sent back with the reverse all-to-all, in the order they came.
 
 The all-to-alls are torch's differentiable functional collectives: backward sends the gradients the reverse way.
 
@@ -66,8 +67,8 @@ class AllToAllDispatch:
         ep: its size.
         num_experts: experts of the layer (all ranks together).
 
-    ``bytes_sent`` counts the hidden states this rank sent forward (dispatch and return); each backward all-to-all
-    sends as many again.
+    ``bytes_sent`` counts the hidden states this rank sent in forward passes (dispatch and return; a recompute of full
+    activation checkpointing sends them again, uncounted); each backward all-to-all sends as many again.
     """
 
     def __init__(self, group: "ProcessGroup", ep: int, num_experts: int) -> None:
@@ -84,25 +85,27 @@ class AllToAllDispatch:
         dist.all_to_all_single(received, sent, group=self.group)
         return received.view(self.ep, self.local)
 
-    def __call__(self, x: Tensor, index: Tensor, weights: Tensor, experts: nn.Module) -> Tensor:
+    def __call__(self, rows: Tensor, counts: list[int], experts: nn.Module) -> Tensor:
         from torch.distributed._functional_collectives import all_to_all_single_autograd
 
-        from lightning_hybrid.models.decoder.moe import combine, sort_by_expert
-
-        order, counts = sort_by_expert(index, self.num_experts)
-        rows = order // index.shape[1]
         send_splits = [sum(counts[r * self.local:(r + 1) * self.local]) for r in range(self.ep)]
-        received_counts = self._exchange_counts(counts, x.device)
+        received_counts = self._exchange_counts(counts, rows.device)
         recv_splits = received_counts.sum(1).tolist()
-        received = all_to_all_single_autograd(x[rows], recv_splits, send_splits, self.group)
+        received = all_to_all_single_autograd(rows, recv_splits, send_splits, self.group)
         # received rows come by (source rank s, local expert j); the experts want them by (j, s): key j * ep + s
-        key = torch.arange(self.local, device=x.device) * self.ep + torch.arange(self.ep, device=x.device)[:, None]
+        device = rows.device
+        key = torch.arange(self.local, device=device) * self.ep + torch.arange(self.ep, device=device)[:, None]
         by_expert = torch.argsort(torch.repeat_interleave(key.reshape(-1), received_counts.reshape(-1)), stable=True)
         out = experts(received[by_expert], received_counts.sum(0).tolist())
         back = out[torch.argsort(by_expert)]
-        returned = all_to_all_single_autograd(back, send_splits, recv_splits, self.group)
-        self.bytes_sent += (rows.numel() + back.shape[0]) * x.shape[-1] * x.element_size()
-        return combine(returned, order, rows, weights, x)
+        if not _recomputing():  # what a recompute in backward replays is counted once, in its forward
+            self.bytes_sent += (rows.shape[0] + back.shape[0]) * rows.shape[-1] * rows.element_size()
+        return all_to_all_single_autograd(back, send_splits, recv_splits, self.group)
+
+
+def _recomputing() -> bool:
+    """Whether this forward runs inside a backward pass (activation recompute)."""
+    return torch._C._current_graph_task_id() != -1
 
 
 def all_to_all_bytes(module: nn.Module) -> int:

@@ -29,8 +29,9 @@ TP_STYLES = ("colwise", "rowwise")
 # - ``num_experts`` (read) and ``experts``: a module whose parameters are the experts' weights with the experts first
 #   (expert parallelism shards them on dim 0); calling it with ``(tokens sorted by expert, rows per expert)`` computes
 #   the experts it holds;
-# - ``dispatch(x, index, weights, experts)``: how the routed (token, expert) pairs reach their experts and come back
-#   weighted and summed per token (replaced by the all-to-all under ``ep>1``);
+# - ``dispatch(rows, counts, experts)``: the outputs of the routed (token, expert) rows, sorted by expert (``counts[e]``
+#   rows for expert ``e``), in the same order: ``experts(rows, counts)`` on one device, an all-to-all to the experts'
+#   ranks and back under ``ep>1``;
 # - ``reduce_load(stats)``: sums the layer's load statistics over the ranks that see different tokens (no gradient);
 # - ``data_ranks``: how many such ranks average their gradients;
 # - ``grad_scale``: the weight of this micro-batch's load-balancing gradient (1 / micro-batches per optimizer step);

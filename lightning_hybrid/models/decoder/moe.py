@@ -8,10 +8,11 @@ the weighted sum of its experts' SwiGLU outputs (:class:`Experts`, 3-D weights `
 every token reaches each of its experts.
 
 What a strategy may set on the layer (the parallel side never edits this code; :mod:`lightning_hybrid.models.spec`
-names the protocol): ``dispatch`` (how routed tokens reach their experts and come back; :func:`local_dispatch` here,
-an all-to-all over the expert-parallel ranks under ``ep>1``), ``reduce_load`` (sums the load statistics over the
-ranks that see different tokens, no gradient; identity here) and ``data_ranks`` (how many such ranks average their
-gradients).
+names the protocol): ``dispatch`` (how the routed (token, expert) rows, sorted by expert, reach their experts and come
+back in the same order; :func:`local_dispatch` here, an all-to-all over the expert-parallel ranks under ``ep>1``),
+``reduce_load`` (sums the load statistics over the ranks that see different tokens, no gradient; identity here),
+``data_ranks`` (how many such ranks average their gradients) and ``grad_scale`` (the weight of a micro-batch's
+load-balancing gradient).
 
 The load-balancing loss of one layer and one micro-batch is Switch Transformer's, over the tokens of every data rank
 (Qwen's global-batch balancing): ``E * sum_i f_i * P_i`` with ``f_i`` the fraction of tokens routed to expert ``i``
@@ -133,20 +134,10 @@ def route(probs: Tensor, top_k: int, norm_topk_prob: bool, bias: Optional[Tensor
     return index, weights
 
 
-def local_dispatch(x: Tensor, index: Tensor, weights: Tensor, experts: nn.Module) -> Tensor:
-    """Every routed (token, expert) pair computed by ``experts`` on this device: pairs sorted by expert (stable),
-    computed grouped, weighted and summed back per token in the sorted order.
-
-    Args:
-        x: tokens (tokens, hidden).
-        index: chosen experts (tokens, k).
-        weights: their routing weights (tokens, k), in ``x``'s dtype.
-        experts: the :class:`Experts` (all of them).
-    """
-    order, counts = sort_by_expert(index, experts.gate_up_proj.shape[0])
-    rows = order // index.shape[1]
-    out = experts(x[rows], counts)
-    return combine(out, order, rows, weights, x)
+def local_dispatch(rows: Tensor, counts: list[int], experts: nn.Module) -> Tensor:
+    """The outputs of the routed rows (sorted by expert, ``counts[e]`` for expert ``e``) computed by ``experts`` on
+    this device (all of them), in the same order."""
+    return experts(rows, counts)
 
 
 def sort_by_expert(index: Tensor, num_experts: int) -> tuple[Tensor, list[int]]:
@@ -235,7 +226,7 @@ class MoE(nn.Module):
         self.aux_loss_coef = config.router_aux_loss_coef / sparse
         self.gate = Router(config)
         self.experts = Experts(config)
-        self.dispatch: Callable[[Tensor, Tensor, Tensor, nn.Module], Tensor] = local_dispatch
+        self.dispatch: Callable[[Tensor, list[int], nn.Module], Tensor] = local_dispatch
         self.reduce_load: Callable[[Tensor], Tensor] = lambda stats: stats
         self.data_ranks = 1
         self.grad_scale = 1.0  # 1 / micro-batches per optimizer step, set by whoever runs the step
@@ -247,7 +238,9 @@ class MoE(nn.Module):
         x = x.reshape(-1, shape[-1])
         probs = self.gate(x)
         index, weights = route(probs, self.top_k, self.norm_topk_prob, self.gate.e_score_correction_bias)
-        out = self.dispatch(x, index, weights.to(x.dtype), self.experts)
+        order, counts = sort_by_expert(index, self.num_experts)
+        rows = order // self.top_k  # the token of each routed pair, pairs sorted by expert (stable)
+        out = combine(self.dispatch(x[rows], counts, self.experts), order, rows, weights.to(x.dtype), x)
         aux_local = self._balance(probs, index, self.experts.rows_computed)
         if self.training and torch.is_grad_enabled() and self.aux_loss_coef > 0:
             out = _AuxLossGradient.apply(out, aux_local, self.aux_loss_coef * self.grad_scale)
