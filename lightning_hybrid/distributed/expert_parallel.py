@@ -67,8 +67,9 @@ class AllToAllDispatch:
         ep: its size.
         num_experts: experts of the layer (all ranks together).
 
-    ``bytes_sent`` counts the hidden states this rank sent in forward passes (dispatch and return; a recompute of full
-    activation checkpointing sends them again, uncounted); each backward all-to-all sends as many again.
+    ``bytes_sent`` counts the hidden states this rank sent to other ranks in forward passes (dispatch and return; the
+    rows a rank keeps for its own experts never leave it; a recompute of full activation checkpointing sends them
+    again, uncounted); each backward all-to-all sends as many again.
     """
 
     def __init__(self, group: "ProcessGroup", ep: int, num_experts: int) -> None:
@@ -86,6 +87,7 @@ class AllToAllDispatch:
         return received.view(self.ep, self.local)
 
     def __call__(self, rows: Tensor, counts: list[int], experts: nn.Module) -> Tensor:
+        import torch.distributed as dist
         from torch.distributed._functional_collectives import all_to_all_single_autograd
 
         send_splits = [sum(counts[r * self.local:(r + 1) * self.local]) for r in range(self.ep)]
@@ -99,7 +101,9 @@ class AllToAllDispatch:
         out = experts(received[by_expert], received_counts.sum(0).tolist())
         back = out[torch.argsort(by_expert)]
         if not _recomputing():  # what a recompute in backward replays is counted once, in its forward
-            self.bytes_sent += (rows.shape[0] + back.shape[0]) * rows.shape[-1] * rows.element_size()
+            me = dist.get_rank(self.group)
+            sent = sum(send_splits) - send_splits[me] + sum(recv_splits) - recv_splits[me]
+            self.bytes_sent += sent * rows.shape[-1] * rows.element_size()
         return all_to_all_single_autograd(back, send_splits, recv_splits, self.group)
 
 
