@@ -4,9 +4,9 @@ Launched by ``tests/test_moe_equivalence.py`` (:func:`helpers.launch.launch`). P
 Trainer with ``HybridParallelStrategy(**config)`` training tiny Qwen3-MoE (:mod:`helpers.moe_problem`) for a few
 steps; rank 0 saves the per-step losses, load-balancing losses and load balance, the dropped pairs, the all-to-all
 bytes, and the full (gathered) initial and final weights. Keys besides the strategy's arguments: ``accumulate``
-(Lightning's gradient accumulation), ``model`` (fields of the model's config), ``force`` (a routing bias that sends
-every token to expert 0), ``save_at`` (save at that step and stop; ``resume``: go on from it in the same
-configuration) and ``load_from`` (start from an earlier configuration's checkpoint).
+(Lightning's gradient accumulation), ``trainer`` (more Trainer arguments), ``model`` (fields of the model's config),
+``force`` (a routing bias that sends every token to expert 0), ``save_at`` (save at that step and stop; ``resume``:
+go on from it in the same configuration) and ``load_from`` (start from an earlier configuration's checkpoint).
 """
 
 from __future__ import annotations
@@ -63,10 +63,11 @@ def fit(config: dict, accumulate: int, force: bool, callbacks: list, ckpt_path=N
     world = int(os.environ["WORLD_SIZE"])
     overrides = {"router_bias_update_rate": 1e-12} if force else dict(model or {})
     module = CausalLM(moe_config(**overrides), **MODULE)
+    extra = config.pop("trainer", {})
     trainer = L.Trainer(strategy=HybridParallelStrategy(**config), devices=world,
                         callbacks=callbacks + ([ForceExpertZero()] if force and ckpt_path is None else []),
-                        **trainer_kwargs(accumulate_grad_batches=accumulate))
-    dp = world // (config.get("tp", 1) * config.get("pp", 1))
+                        **trainer_kwargs(accumulate_grad_batches=accumulate, **extra))
+    dp = world // (config.get("tp", 1) * config.get("pp", 1) * config.get("cp", 1))
     train, val = loaders(GLOBAL_BATCH // dp // accumulate)
     trainer.fit(module, train_dataloaders=train, val_dataloaders=val, ckpt_path=ckpt_path)
     return trainer, module

@@ -35,6 +35,8 @@ CONFIGS = [
     {"name": "ep2_tp2_sequence_parallel", "ep": 2, "tp": 2, "sequence_parallel": True, "accumulate": 2},
     {"name": "ep2_dp2_selective_recompute", "ep": 2, "activation_checkpointing": "selective"},
     {"name": "ep1_dp4", "ep": 1},
+    {"name": "ep2_cp2", "ep": 2, "cp": 2},
+    {"name": "ep2_dp2_bf16_mixed", "ep": 2, "trainer": {"precision": "bf16-mixed"}},
     {"name": "ep2_dp2_forced_router", "ep": 2, "force": True},
     {"name": "aux_free", "ep": 2, "model": AUX_FREE},
     {"name": "aux_free_resumed", "ep": 2, "model": AUX_FREE, "save_at": 2, "resume": True},
@@ -117,7 +119,7 @@ def assert_trains_like(record: dict, ref: dict) -> None:
     assert float(moved.norm()) > 1e-2  # the reference really trained
 
 
-@pytest.mark.parametrize("name", ["ep2_dp2", "ep2_dp2_selective_recompute", "ep1_dp4"])
+@pytest.mark.parametrize("name", ["ep2_dp2", "ep2_dp2_selective_recompute", "ep1_dp4", "ep2_cp2"])
 def test_expert_parallel_training_equals_one_process_on_the_whole_batch(runs, whole_batch, name):
     assert_trains_like(runs[name], whole_batch)
 
@@ -125,6 +127,12 @@ def test_expert_parallel_training_equals_one_process_on_the_whole_batch(runs, wh
 @pytest.mark.parametrize("name", ["ep2_pp2", "ep2_tp2", "ep2_tp2_sequence_parallel"])
 def test_expert_parallel_with_pp_or_tp_equals_one_process_on_the_same_micro_batches(runs, two_microbatches, name):
     assert_trains_like(runs[name], two_microbatches)
+
+
+def test_bf16_mixed_with_expert_parallelism_trains_like_fp32_within_bf16_rounding(runs, whole_batch):
+    record = runs["ep2_dp2_bf16_mixed"]
+    assert max(abs(a - b) / b for a, b in zip(record["losses"], whole_batch["losses"])) < 2e-2
+    assert errors(record, whole_batch)["weights"] < 2e-2
 
 
 def test_the_micro_batches_matter_so_the_comparison_has_teeth(whole_batch, two_microbatches):
