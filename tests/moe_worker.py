@@ -19,6 +19,7 @@ from pathlib import Path
 import lightning as L
 import torch
 import torch.distributed as dist
+from dist_worker import SaveAt  # save at a step's end and stop there
 
 from helpers.gather import full_weights, gather_merged
 from helpers.moe_problem import GLOBAL_BATCH, MODULE, SEED, Recorder, loaders, moe_config, trainer_kwargs
@@ -37,18 +38,6 @@ class ForceExpertZero(L.Callback):
             bias = getattr(module, "e_score_correction_bias", None)
             if bias is not None:
                 bias[0] = 10.0
-
-
-class SaveAt(L.Callback):
-    """Save a checkpoint at the end of optimizer step ``step`` and stop there."""
-
-    def __init__(self, step: int, path: Path) -> None:
-        self.step, self.path = step, path
-
-    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
-        if trainer.global_step == self.step:
-            trainer.save_checkpoint(self.path)
-            trainer.should_stop = True
 
 
 class Initial(L.Callback):

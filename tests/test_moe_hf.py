@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from helpers.hf_models import write_checkpoint
+from helpers.hf_models import train_steps, write_checkpoint
 from lightning_hybrid.checkpoint.export import export_main
 from lightning_hybrid.models import CausalLM, DecoderConfig, from_hf
 from lightning_hybrid.models.decoder.moe import MoE
@@ -139,13 +139,7 @@ def test_export_of_a_trained_checkpoint_loads_in_transformers_with_equal_logits(
 
     _, per_expert, _ = hub
     model = from_hf(str(per_expert)).train()
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    tokens = torch.randint(0, 256, (4, SEQ + 1), generator=torch.Generator().manual_seed(5))
-    for _ in range(2):
-        total, count = model.loss_sum(model(tokens[:, :-1]), tokens[:, 1:])
-        (total / count).backward()
-        optimizer.step()
-        optimizer.zero_grad()
+    train_steps(model, SEQ)  # the load-balancing gradient included
     model.eval()
     with torch.no_grad():
         trained = model(inputs)
