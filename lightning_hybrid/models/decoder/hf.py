@@ -90,8 +90,8 @@ def ours_to_hf(name: str) -> str:
     """
     hf = _translate(name, _BACKWARD)
     if hf is None:
-        raise KeyError(f"{name!r} is not a Qwen2 parameter name, nor one of Llama, Qwen3 or Mistral; the mapping "
-                       f"knows {len(HF_NAME_TABLE)} patterns "
+        raise KeyError(f"{name!r} is not a Qwen2 parameter name, nor one of Llama, Qwen3, Mistral or Qwen3-MoE; the "
+                       f"mapping knows {len(HF_NAME_TABLE)} patterns "
                        f"(embed_tokens.weight, layers.N.<...>, norm.weight, lm_head.weight)")
     return hf
 
@@ -347,8 +347,8 @@ def load_hf_weights(model: nn.Module, path_or_repo: Union[str, Path], config: De
 
 def hf_config_dict(config: DecoderConfig, dtype_name: str, base: Optional[dict[str, Any]] = None) -> dict[str, Any]:
     """The ``config.json`` of ``config`` for its family's ``transformers`` class (``Qwen2ForCausalLM``,
-    ``LlamaForCausalLM``, ``Qwen3ForCausalLM``, ``MistralForCausalLM``); ``base`` (the imported model's
-    ``config.json``) keeps its other keys (token ids, ...).
+    ``LlamaForCausalLM``, ``Qwen3ForCausalLM``, ``MistralForCausalLM``, ``Qwen3MoeForCausalLM``); ``base`` (the
+    imported model's ``config.json``) keeps its other keys (token ids, ...).
 
     Args:
         config: the model's configuration.
