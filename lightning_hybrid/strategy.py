@@ -81,7 +81,8 @@ class HybridParallelStrategy(ModelParallelStrategy):
         timeout: timeout of collectives; a dead peer ends the run with a timeout error instead of a hang.
         hang_timeout: seconds without progress after which every rank exits naming the hung rank (600; None: off).
         data_parallel_size, tensor_parallel_size: Lightning's names of dp, tp; ``"auto"``: nodes, devices per node.
-        cp: context-parallel size (sequences split, ring attention); ``dp_shard``: HSDP's shard group (``"hsdp"``).
+        cp: context-parallel size (sequences split, ring attention); ``dp_shard``: HSDP's shard group (``"hsdp"``);
+            ``ep``: expert-parallel size, carved from dp (the experts split, see docs/moe.md).
         loss_parallel, bf16_compute_weights, fsdp_reshard_after_forward, async_tp: see docs/performance.md.
         float8: ``None``, ``"tensorwise"``, ``"rowwise"`` or ``"mxfp8"``: float8 block linears (:mod:`~.float8`).
         fault_tolerance, min_replica_groups, ft_timeout: ``"torchft"``: this launch is one replica group of a torchft
@@ -116,7 +117,7 @@ class HybridParallelStrategy(ModelParallelStrategy):
         hang_timeout: Optional[float] = HANG_TIMEOUT,
         data_parallel_size: Optional[Union[int, Literal["auto"]]] = None,
         tensor_parallel_size: Optional[Union[int, Literal["auto"]]] = None,
-        cp: int = 1, dp_shard: Optional[int] = None, loss_parallel: bool = True, async_tp: bool = False,
+        cp: int = 1, dp_shard: Optional[int] = None, ep: int = 1, loss_parallel: bool = True, async_tp: bool = False,
         bf16_compute_weights: bool = True, fsdp_reshard_after_forward: Union[bool, Literal["auto"]] = "auto",
         float8: Optional[str] = None,
         fault_tolerance: Optional[str] = None, min_replica_groups: int = 1, ft_timeout: float = 60.0,

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from helpers.hf_models import CASES, hf_logits, offline_hub_cache, save_hf_model, write_checkpoint
+from helpers.hf_models import CASES, hf_logits, offline_hub_cache, save_hf_model, train_steps, write_checkpoint
 from lightning_hybrid.checkpoint.export import export_main
 from lightning_hybrid.models import CausalLM, Decoder, DecoderConfig, from_hf
 from lightning_hybrid.models.decoder.config import RopeScaling, flops_per_token
@@ -127,13 +127,7 @@ def test_rope_scaling_frequencies_equal_transformers_at_published_sizes(rope, he
 @pytest.mark.parametrize("case", ["llama", "qwen3", "qwen3-tied", "mistral", "qwen2-yarn"])
 def test_export_of_a_trained_checkpoint_loads_in_transformers_with_equal_logits(folders, inputs, tmp_path, case):
     model = from_hf(str(folders[case]))
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    tokens = torch.randint(0, 256, (4, SEQ + 1), generator=torch.Generator().manual_seed(5))
-    for _ in range(2):
-        total, count = model.loss_sum(model(tokens[:, :-1]), tokens[:, 1:])
-        (total / count).backward()
-        optimizer.step()
-        optimizer.zero_grad()
+    train_steps(model, SEQ)
     with torch.no_grad():
         trained = model(inputs)
     assert _relative(trained, hf_logits(folders[case], inputs)) > 1e-3  # the steps moved the model

@@ -223,6 +223,8 @@ class ParallelOptions:
     # Context parallelism (sequence split across cp ranks) and HSDP's shard-group size.
     cp: int = 1
     dp_shard: Optional[int] = None
+    # Expert parallelism: the experts of each mixture-of-experts layer split over ep ranks carved from dp.
+    ep: int = 1
     # Runtime features (docs/performance.md): vocabulary-parallel loss, bf16 weight copies under bf16-mixed, when
     # FSDP2 frees gathered weights, torch's micro-pipelined TP.
     loss_parallel: bool = True
@@ -239,6 +241,7 @@ class ParallelOptions:
         for name in ("tp", "pp", "virtual_stages"):
             positive_int(name, getattr(self, name), allow_auto=True)
         positive_int("cp", self.cp)
+        positive_int("ep", self.ep)
         positive_int("dp", self.dp, allow_none=True, allow_auto=True)
         positive_int("dp_shard", self.dp_shard, allow_none=True)
         lightning_size("data_parallel_size", self.data_parallel_size)
@@ -306,6 +309,8 @@ class ParallelOptions:
                   "activation_checkpointing": self.activation_checkpointing}
         if dims.cp > 1:
             layout["cp"] = dims.cp
+        if dims.ep > 1:
+            layout["ep"] = dims.ep
         if dims.dp_replicate > 1:
             layout.update(dp_shard=dims.dp_shard, dp_replicate=dims.dp_replicate)
         return layout
