@@ -184,8 +184,11 @@ def reduce_gradients(parameters: Iterable[Tensor], reduce: Callable[[Tensor], An
         reduce(flat)
         if divide_by != 1:
             flat[:total].div_(divide_by)
-        for param, local, value, used in zip(bucket, locals_, values, flat[total:].tolist()):
-            if used <= 0:  # no rank used it: no gradient anywhere
+        # the flags are read on the host only for the parameters this rank did not use (no sync in the common case)
+        missing = [i for i, param in enumerate(bucket) if param.grad is None]
+        unused = {i for i, used in zip(missing, flat[total:][missing].tolist() if missing else []) if used <= 0}
+        for i, (param, local, value) in enumerate(zip(bucket, locals_, values)):
+            if i in unused:  # no rank used it: no gradient anywhere
                 continue
             if param.grad is None:
                 param.grad = torch.zeros_like(param)

@@ -126,17 +126,30 @@ def role_pool(workers: int) -> Any:
                                initargs=(dict(os.environ),))
 
 
+def _run_rank_in_pool(job: DryRunJob, rank: int, *args: Any) -> Any:
+    """:func:`~lightning_hybrid.dryrun.rank.run_rank` in a pool process: an error comes back as one that pickles
+    (a fake-tensor or pybind exception does not, and the pool would report only that)."""
+    import traceback
+
+    from lightning_hybrid.dryrun.rank import run_rank
+
+    try:
+        return run_rank(job, rank, *args)
+    except ValueError as error:  # the strategy's one-line errors for a layout that does not fit
+        raise ValueError(str(error)) from None
+    except Exception:
+        raise RuntimeError(f"the dry run of rank {rank} failed:\n{traceback.format_exc()}") from None
+
+
 def trace_ranks(job: DryRunJob, ranks: list[int], limit: Optional[float] = None) -> list[Any]:
     """:func:`~lightning_hybrid.dryrun.rank.run_rank` for each rank, each in a fresh process of :func:`role_pool`,
     several at once on a machine with the cores for it. A rank stops as soon as it is certain to hold more than
     ``limit`` bytes."""
     import os
 
-    from lightning_hybrid.dryrun.rank import run_rank
-
     workers = max(1, min(len(ranks), os.cpu_count() or 1))
     with role_pool(workers) as pool:
-        return list(pool.map(run_rank, [job] * len(ranks), ranks, [True] * len(ranks), [0] * len(ranks),
+        return list(pool.map(_run_rank_in_pool, [job] * len(ranks), ranks, [True] * len(ranks), [0] * len(ranks),
                              [None] * len(ranks), [limit] * len(ranks)))
 
 
