@@ -147,7 +147,7 @@ def _block_work(problem: Problem, layout: Layout, tokens: int) -> _Work:
 def _compute_block_work(problem: Problem, layout: Layout, tokens: int) -> _Work:
     """:func:`_block_work` without the memo (it reads only the layout fields in the memo's key)."""
     c, rt = problem.config, problem.runtime
-    shapes = block_gemms(c, layout.tp)
+    shapes = block_gemms(c, layout.tp, rt.fused_projections)
     gemms = {name: _gemm_seconds(problem, tokens, k, n, float8=True) for name, (k, n) in shapes.items()}
     attention_flops = 12 * tokens * c.num_attention_heads * c.head_dim / layout.tp * problem.seq_len
     attention = attention_flops / (problem.hw.peak_flops(problem.precision) * problem.time_model.attention_efficiency)
@@ -164,7 +164,7 @@ def _compute_block_work(problem: Problem, layout: Layout, tokens: int) -> _Work:
     elif layout.recompute == "selective":
         policy = SELECTIVE_POLICIES[rt.selective]
         gathers = policy.tp_all_gathers / 2 * one if layout.sequence_parallel else 0.0
-        recompute = sum(gemms[name] for name in policy.matmuls) / 3 + elementwise + gathers
+        recompute = sum(gemms[name] for name in policy.rerun(rt.fused_projections)) / 3 + elementwise + gathers
     return _Work(gemm=sum(gemms.values()), attention=attention, elementwise=elementwise * (1 + ELEMENTWISE_BACKWARD),
                  recompute=recompute, tp=per_block * one,
                  gemm_flops=sum(6 * tokens * k * n for k, n in shapes.values()),
@@ -301,7 +301,8 @@ def _time_detail(problem: Problem, layout: Layout, shape: LayoutShape, work: _Wo
     """What the compute time is made of, per step, and the efficiency each GEMM is planned at."""
     hw, m, tokens = problem.hw, layout.microbatches, shape.tokens
     c = problem.config
-    shapes = dict(block_gemms(c, layout.tp), head=(c.hidden_size, -(-c.vocab_size // layout.tp)))
+    shapes = dict(block_gemms(c, layout.tp, problem.runtime.fused_projections),
+                  head=(c.hidden_size, -(-c.vocab_size // layout.tp)))
     return {"gemm": m * work.gemm, "attention": m * work.attention, "elementwise": m * work.elementwise,
             "gemm_efficiency": work.gemm_flops / (hw.peak_flops(problem.precision) * work.gemm) if work.gemm else 0.0,
             "gemm_shapes": {name: [tokens, k, n] for name, (k, n) in shapes.items()},

@@ -96,6 +96,11 @@ class SelectivePolicy:
 
     matmuls: tuple[str, ...] = ()
     tp_all_gathers: int = 0
+    fused_matmuls: tuple[str, ...] = ()  # the same policy on fused q/k/v and gate/up projections
+
+    def rerun(self, fused: bool) -> tuple[str, ...]:
+        """The matmuls (names of :func:`block_gemms`) whose forward runs again in backward."""
+        return self.fused_matmuls if fused else self.matmuls
 
 
 SELECTIVE_POLICIES = {
@@ -103,9 +108,10 @@ SELECTIVE_POLICIES = {
     # are kept, norms/rotary/SiLU/products/casts rerun.
     "op": SelectivePolicy(),
     # torchtitan's op SAC (torchtitan/parallelisms/parallelize_llama.py, _apply_ac_to_transformer_block): keeps
-    # every mm output except every second one (k, o and up in execution order q k v o gate up down); the SP
-    # all-gathers in front of attention and the MLP are not in its save list.
-    "every_other_mm": SelectivePolicy(matmuls=("k", "o", "up"), tp_all_gathers=2),
+    # every mm output except every second one (k, o and up in execution order q k v o gate up down; o and down of
+    # qkv o gate_up down with fused projections); the SP all-gathers in front of attention and the MLP are not in
+    # its save list.
+    "every_other_mm": SelectivePolicy(matmuls=("k", "o", "up"), tp_all_gathers=2, fused_matmuls=("o", "down")),
 }
 
 
@@ -130,6 +136,10 @@ class Runtime:
         fsdp_regather: under a pipeline FSDP re-gathers each block for every micro-batch (it reshards after each
             forward); ``False``: the stage is gathered once per step (``fsdp_reshard_after_forward`` off or
             ``"auto"`` under ``pp > 1``).
+        fused_projections: q, k and v run as one GEMM per TP rank, and gate with up as another (this project's
+            model, Megatron-LM, Megatron-Bridge, NeMo); ``False``: five separate GEMMs (torchtitan, Hugging Face).
+            The FLOPs are the same; the fused GEMMs are wider, so skinny TP-local k and v projections no longer run
+            at their own low efficiency, and autocast casts each projection input once instead of per projection.
     """
 
     fused_elementwise: bool = False
@@ -140,6 +150,7 @@ class Runtime:
     selective: str = "op"
     float8: Optional[str] = None
     fsdp_regather: bool = True
+    fused_projections: bool = True
 
 
 @dataclass(frozen=True)
@@ -160,11 +171,17 @@ def gemm_efficiency(peak_efficiency: float, knee: float, m: int, k: int, n: int)
     return peak_efficiency * d / (d + knee)
 
 
-def block_gemms(config: Qwen2Config, tp: int) -> dict[str, tuple[int, int]]:
-    """(in, out) of each matmul of a block on one TP rank: colwise ones split ``out``, rowwise ones ``in``."""
+def block_gemms(config: Qwen2Config, tp: int, fused: bool = False) -> dict[str, tuple[int, int]]:
+    """(in, out) of each matmul of a block on one TP rank: colwise ones split ``out``, rowwise ones ``in``.
+
+    ``fused``: q, k and v as one GEMM ``qkv`` of ``(heads + 2 kv_heads) x head_dim / tp`` outputs (each rank keeps
+    whole heads and whole KV groups), gate and up as one ``gate_up`` of ``2 x intermediate / tp``.
+    """
     h, inter = config.hidden_size, config.intermediate_size
     q, kv = config.num_attention_heads * config.head_dim, config.num_key_value_heads * config.head_dim
     q, kv, inter = (-(-n // tp) for n in (q, kv, inter))  # torch.chunk: the first ranks hold ceil(n / tp)
+    if fused:
+        return {"qkv": (h, q + 2 * kv), "o": (q, h), "gate_up": (h, 2 * inter), "down": (inter, h)}
     return {"q": (h, q), "k": (h, kv), "v": (h, kv), "o": (q, h), "gate": (h, inter), "up": (h, inter),
             "down": (inter, h)}
 
@@ -178,7 +195,8 @@ def elementwise_bytes(config: Qwen2Config, tp: int, sequence_parallel: bool, com
     weight multiply ``2 r h``); autocast's cast of the 5 linear inputs (``5 (r + a) h``); rotary on q and k
     (negate, concatenate, two products, a sum: ``10 a`` per element); GQA's repeat of k and v to the query heads
     (``2 a (q + kv)``); the attention output's transpose copy (``2 a q``); two residual adds (``6 r h``); SiLU and
-    the product (``5 a I``). Fused: each region reads its inputs and writes its outputs once: residual add + norm
+    the product (``5 a I``); with fused projections autocast casts 2 linear inputs (qkv, gate_up), not 5.
+    Fused kernels: each region reads its inputs and writes its outputs once: residual add + norm
     ``2 (r + a) h`` twice, rotary ``2 a (q + kv)`` and the GQA repeat, SiLU-product ``3 a I``. ``h`` terms are
     divided by ``tp`` under sequence parallel.
     """
@@ -191,7 +209,7 @@ def elementwise_bytes(config: Qwen2Config, tp: int, sequence_parallel: bool, com
     if runtime.fused_elementwise:
         return 4 * (r + a) * h + 2 * a * (q + kv) + gqa + 3 * a * inter
     norm = 20 * h + 2 * r * h + (2 * (r + 4) * h if r < 4 else 0.0)
-    casts = 5 * (r + a) * h if r > a else 0.0
+    casts = (2 if runtime.fused_projections else 5) * (r + a) * h if r > a else 0.0
     return 2 * norm + casts + 10 * a * (q + kv) + gqa + 2 * a * q + 6 * r * h + 5 * a * inter
 
 
