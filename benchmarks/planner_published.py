@@ -129,7 +129,7 @@ LLAMA3_ASSUMED = ("micro-batch 1 sequence (the table's 'batch size/DP' is then t
                   "FSDP 'not resharding after forward' = the planner's FSDP under a pipeline (one gather and one "
                   "reduce-scatter per step); bf16 weights for compute; fused kernels, TP not overlapped and sequence "
                   "parallel are not stated (assumed as in Megatron-style stacks: fused, not overlapped, SP on)")
-LLAMA3_RUNTIME = Runtime(fused_elementwise=True, low_precision_params=True, loss_parallel=True)
+LLAMA3_RUNTIME = Runtime(fused_elementwise=True, low_precision_params=True, loss_parallel=True, fused_projections=True)
 LLAMA3_405B_STATED = ("H100 SXM 80GB HBM3 at 700 W, 8 per Grand Teton server over NVLink, 400 Gb/s RoCE per GPU; "
                       "BF16; seq 8,192; 16M tokens per batch; no activation checkpointing at 8K ('we could pre-train "
                       "Llama 3 on sequences of 8K tokens without activation checkpointing'); TP8 CP1 PP16; "
@@ -147,6 +147,9 @@ TORCHTITAN_ASSUMED = ("FSDP2 MixedPrecisionPolicy defaults (param_dtype bf16, re
                       "no gradient accumulation (the local batch is one micro-batch); TP with sequence parallel and "
                       "loss parallel (parallelize_llama.py); peak of the 500 W HBM2e H100 = midpoint of SXM and NVL")
 TORCHTITAN_OP_SAC = "every_other_mm"  # torchtitan's op SAC: saves every mm output except every second one
+# torchtitan's Llama (models/llama/model.py): wq, wk, wv and w1, w3 are separate nn.Linear (five GEMMs, not fused), and
+# K/V are repeated to the query heads (repeat_kv) before SDPA, which under context parallelism is torch's ring
+TORCHTITAN_MODEL = {"fused_projections": False, "ring_attention": "rotate"}
 
 MEGATRON_README = ("NVIDIA/Megatron-LM README.md 'Performance Benchmarking', images/model_table.png and "
                    "weak_scaling.png (Megatron-Core r0.8.0): vocabulary 131,072, sequence 4,096, "
@@ -157,6 +160,7 @@ MEGATRON_ASSUMED = ("model: GPT defaults (MHA, 4h MLP = SwiGLU with I=8h/3, unti
                     "none stated); no recompute; distributed optimizer = replication whose gradient reduce-scatter "
                     "and parameter all-gather overlap the last micro-batch; bf16 parameters; TE fused kernels")
 MEGATRON_RUNTIME = Runtime(fused_elementwise=True, low_precision_params=True, tp_overlap=True, dp_overlap=True,
+                           fused_projections=True,
                            loss_parallel=True)
 
 
@@ -185,7 +189,8 @@ def _torchtitan_fsdp(gpus: int, compile_: bool, tokens: float, table: str) -> Pu
         assumed=TORCHTITAN_ASSUMED, model="llama3-8b", gpu=H100_GRAND_TETON_500W, gpus=gpus, tp=1, pp=1, dp=gpus,
         data_parallel="fsdp", micro_batch_size=2, microbatches=1, seq_len=8192, global_batch=2 * gpus,
         recompute="selective",
-        runtime=Runtime(fused_elementwise=compile_, low_precision_params=True, selective=TORCHTITAN_OP_SAC),
+        runtime=Runtime(fused_elementwise=compile_, low_precision_params=True, selective=TORCHTITAN_OP_SAC,
+                        **TORCHTITAN_MODEL),
         published_tokens_per_gpu=tokens)
 
 
@@ -203,7 +208,7 @@ def _torchtitan_tp(size: str, gpus: int, local_batch: int, recompute: str, async
         pp=1, dp=dp, data_parallel="fsdp", micro_batch_size=local_batch, microbatches=1, seq_len=8192,
         global_batch=local_batch * dp, recompute=recompute, sequence_parallel=True,
         runtime=Runtime(fused_elementwise=True, low_precision_params=True, tp_overlap=async_tp, loss_parallel=True,
-                        selective=TORCHTITAN_OP_SAC),
+                        selective=TORCHTITAN_OP_SAC, **TORCHTITAN_MODEL),
         published_tokens_per_gpu=tokens)
 
 
@@ -286,7 +291,7 @@ def _torchtitan_405b(schedule: str, cp: int, seq_len: int, local_batch: int, tok
         seq_len=seq_len, global_batch=local_batch * dp, schedule=schedule, virtual_stages=v, recompute="full",
         sequence_parallel=True,
         runtime=Runtime(fused_elementwise=True, low_precision_params=True, tp_overlap=True, loss_parallel=True,
-                        float8="tensorwise"),
+                        float8="tensorwise", **TORCHTITAN_MODEL),
         published_tokens_per_gpu=tokens)
 
 
@@ -380,7 +385,7 @@ def mxfp8_row() -> PublishedRun:
                                micro_batch_size=1, global_batch=8, source=MXFP8_B200, published_tokens_per_gpu=8307.5)
 
 
-TRANSFORMER_ENGINE_FLOAT8_EFFICIENCY = {"tensorwise": 0.651, "mxfp8": 0.612}
+TRANSFORMER_ENGINE_FLOAT8_EFFICIENCY = {"tensorwise": 0.624, "mxfp8": 0.596}
 """Transformer Engine's float8 GEMM efficiency per recipe (fraction of the fp8 peak, casts included), fitted on
 Megatron-Bridge's rows (``fit_float8(recipe, kernels="transformer-engine")``). Used only to predict those rows: TE
 fuses the amax and the cast into the neighbouring kernels, torchao's dynamic casts are separate (compiled) kernels, so

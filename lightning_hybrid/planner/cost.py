@@ -13,6 +13,7 @@ import functools
 from dataclasses import dataclass, fields
 
 from lightning_hybrid.models.qwen2.config import flops_per_token
+from lightning_hybrid.planner.block_comm import cp_block_seconds, tp_block_seconds
 from lightning_hybrid.planner.collectives import fsdp_block_gathers, tp_all_reduce_equivalents
 from lightning_hybrid.planner.layout import Estimate, Layout, Problem
 from lightning_hybrid.planner.layout_memory import (
@@ -156,8 +157,9 @@ def _compute_block_work(problem: Problem, layout: Layout, tokens: int) -> _Work:
     if r > a:  # autocast casts the block's fp32 matmul weights once per forward
         forward_bytes += AUTOCAST_WEIGHT_CAST_BYTES * sum(k * n for k, n in shapes.values())
     elementwise = _hbm_seconds(problem, forward_bytes)
-    one = _tp_seconds(problem, layout, "all_reduce", tokens * c.hidden_size * a) if layout.tp > 1 else 0.0
     per_block, replayed = tp_all_reduce_equivalents(layout.sequence_parallel)
+    tp, exposed = tp_block_seconds(problem, layout, tokens * c.hidden_size * a, per_block, gemms)
+    one = exposed * problem.hw.collective("all_reduce", tokens * c.hidden_size * a, layout.tp, False, blocking=True)
     recompute = 0.0
     if layout.recompute == "full":  # the whole forward again: a third of the GEMMs and of attention
         recompute = (sum(gemms.values()) + attention) / 3 + elementwise + replayed * one
@@ -166,23 +168,8 @@ def _compute_block_work(problem: Problem, layout: Layout, tokens: int) -> _Work:
         gathers = policy.tp_all_gathers / 2 * one if layout.sequence_parallel else 0.0
         recompute = sum(gemms[name] for name in policy.rerun(rt.fused_projections)) / 3 + elementwise + gathers
     return _Work(gemm=sum(gemms.values()), attention=attention, elementwise=elementwise * (1 + ELEMENTWISE_BACKWARD),
-                 recompute=recompute, tp=per_block * one,
-                 gemm_flops=sum(6 * tokens * k * n for k, n in shapes.values()),
-                 cp=_cp_seconds(problem, layout, tokens))
-
-
-def _cp_seconds(problem: Problem, layout: Layout, tokens: int) -> float:
-    """One block's K/V exchange under context parallelism, not overlapped: all-gather of this rank's K and V
-    (``tokens`` local tokens, its TP share of the kv heads) in forward, reduce-scatter of their gradients in backward
-    (and the all-gather again when the block is recomputed)."""
-    if layout.cp == 1:
-        return 0.0
-    c, hw = problem.config, problem.hw
-    nbytes = 2 * tokens * layout.cp * c.num_key_value_heads // layout.tp * c.head_dim * activation_bytes(problem)[0]
-    inter_node = layout.tp * layout.cp > hw.gpus_per_node  # cp ranks are tp apart
-    one = functools.partial(hw.collective, nbytes=nbytes, ranks=layout.cp, inter_node=inter_node, blocking=True)
-    gathers = 2 if layout.recompute == "full" else 1
-    return gathers * one("all_gather") + one("reduce_scatter")
+                 recompute=recompute, tp=tp, gemm_flops=sum(6 * tokens * k * n for k, n in shapes.values()),
+                 cp=cp_block_seconds(problem, layout, tokens, a))
 
 
 def _head_work(problem: Problem, layout: Layout, tokens: int) -> _Work:
