@@ -129,7 +129,7 @@ LLAMA3_ASSUMED = ("micro-batch 1 sequence (the table's 'batch size/DP' is then t
                   "FSDP 'not resharding after forward' = the planner's FSDP under a pipeline (one gather and one "
                   "reduce-scatter per step); bf16 weights for compute; fused kernels, TP not overlapped and sequence "
                   "parallel are not stated (assumed as in Megatron-style stacks: fused, not overlapped, SP on)")
-LLAMA3_RUNTIME = Runtime(fused_elementwise=True, low_precision_params=True, loss_parallel=True, fused_projections=True)
+LLAMA3_RUNTIME = Runtime(fused_elementwise=True, low_precision_params=True, loss_parallel=True, fused_projections=False)
 LLAMA3_405B_STATED = ("H100 SXM 80GB HBM3 at 700 W, 8 per Grand Teton server over NVLink, 400 Gb/s RoCE per GPU; "
                       "BF16; seq 8,192; 16M tokens per batch; no activation checkpointing at 8K ('we could pre-train "
                       "Llama 3 on sequences of 8K tokens without activation checkpointing'); TP8 CP1 PP16; "
@@ -160,7 +160,7 @@ MEGATRON_ASSUMED = ("model: GPT defaults (MHA, 4h MLP = SwiGLU with I=8h/3, unti
                     "none stated); no recompute; distributed optimizer = replication whose gradient reduce-scatter "
                     "and parameter all-gather overlap the last micro-batch; bf16 parameters; TE fused kernels")
 MEGATRON_RUNTIME = Runtime(fused_elementwise=True, low_precision_params=True, tp_overlap=True, dp_overlap=True,
-                           fused_projections=True,
+                           fused_projections=True, ring_attention="gather",
                            loss_parallel=True)
 
 
@@ -228,9 +228,12 @@ RUNS: tuple[PublishedRun, ...] = (
     _llama3_405b(16384, 128, 16, 400, 0.41),
     dataclasses.replace(
         _llama3_405b(16384, 8, 16, 380, 0.38), name="Llama 3 405B, 16,384 H100, TP8 CP16 PP16 DP8, seq 131,072",
-        seq_len=131072,
-        pending=("needs context parallelism (cp=16) in the planner, which does not exist yet; add this row when it "
-                 "does (stated: TP8 CP16 PP16 DP8, seq 131,072, batch size/DP 16, 380 TFLOPs/GPU, 38% MFU)")),
+        seq_len=131072, cp=16, recompute="full", runtime=dataclasses.replace(LLAMA3_RUNTIME, ring_attention="gather"),
+        stated=(f"{LLAMA3_405B_STATED.split('; no activation')[0]}; TP8 CP16 PP16 DP8, seq 131,072, batch size/DP 16; "
+                "380 TFLOPs/GPU, 38% BF16 MFU; context parallelism 'all-gather based': K and V all-gathered, then the "
+                "attention of the local query chunk (sec. 3.3.2)"),
+        assumed=(f"{LLAMA3_ASSUMED}; activation recompute at 128K tokens not stated: full (without it, or with the "
+                 "selective policy, the layout needs 310 / 224 GB per GPU in the planner's memory model)")),
     _torchtitan_fsdp(8, False, 5762, "table 1 (FSDP)"),
     _torchtitan_fsdp(8, True, 6667, "table 1 (FSDP + torch.compile)"),
     _torchtitan_fsdp(128, False, 5605, "table 3 (FSDP)"),
@@ -385,7 +388,7 @@ def mxfp8_row() -> PublishedRun:
                                micro_batch_size=1, global_batch=8, source=MXFP8_B200, published_tokens_per_gpu=8307.5)
 
 
-TRANSFORMER_ENGINE_FLOAT8_EFFICIENCY = {"tensorwise": 0.624, "mxfp8": 0.596}
+TRANSFORMER_ENGINE_FLOAT8_EFFICIENCY = {"tensorwise": 0.629, "mxfp8": 0.597}
 """Transformer Engine's float8 GEMM efficiency per recipe (fraction of the fp8 peak, casts included), fitted on
 Megatron-Bridge's rows (``fit_float8(recipe, kernels="transformer-engine")``). Used only to predict those rows: TE
 fuses the amax and the cast into the neighbouring kernels, torchao's dynamic casts are separate (compiled) kernels, so

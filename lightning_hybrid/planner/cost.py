@@ -13,8 +13,8 @@ import functools
 from dataclasses import dataclass, fields
 
 from lightning_hybrid.models.qwen2.config import flops_per_token
-from lightning_hybrid.planner.block_comm import cp_block_seconds, tp_block_seconds
 from lightning_hybrid.planner.collectives import fsdp_block_gathers, tp_all_reduce_equivalents
+from lightning_hybrid.planner.context_parallel import blockwise_attention_seconds, cp_block_seconds
 from lightning_hybrid.planner.layout import Estimate, Layout, Problem
 from lightning_hybrid.planner.layout_memory import (
     LOW_PRECISION_BYTES,
@@ -33,6 +33,7 @@ from lightning_hybrid.planner.step_time import (
     elementwise_bytes,
     gemm_efficiency,
 )
+from lightning_hybrid.planner.tp_comm import tp_block_seconds
 
 __all__ = ["estimate", "P2P_PER_BOUNDARY", "OPTIMIZER_PARAM_PASSES", "OPTIMIZER_GRAD_PASSES",
            "OPTIMIZER_STATE_PASSES", "LOSS_BYTES_PER_LOGIT"]
@@ -152,6 +153,9 @@ def _compute_block_work(problem: Problem, layout: Layout, tokens: int) -> _Work:
     gemms = {name: _gemm_seconds(problem, tokens, k, n, float8=True) for name, (k, n) in shapes.items()}
     attention_flops = 12 * tokens * c.num_attention_heads * c.head_dim / layout.tp * problem.seq_len
     attention = attention_flops / (problem.hw.peak_flops(problem.precision) * problem.time_model.attention_efficiency)
+    replayed_attention = attention / 3  # what a full recompute of the block adds
+    if layout.cp > 1 and rt.ring_attention == "blockwise":  # this project's core: fp32 matmuls, block by block
+        attention, replayed_attention = blockwise_attention_seconds(problem, layout, tokens)
     a, r = activation_bytes(problem)
     forward_bytes = elementwise_bytes(c, layout.tp, layout.sequence_parallel, a, r, rt) * tokens
     if r > a:  # autocast casts the block's fp32 matmul weights once per forward
@@ -162,7 +166,7 @@ def _compute_block_work(problem: Problem, layout: Layout, tokens: int) -> _Work:
     one = exposed * problem.hw.collective("all_reduce", tokens * c.hidden_size * a, layout.tp, False, blocking=True)
     recompute = 0.0
     if layout.recompute == "full":  # the whole forward again: a third of the GEMMs and of attention
-        recompute = (sum(gemms.values()) + attention) / 3 + elementwise + replayed * one
+        recompute = sum(gemms.values()) / 3 + replayed_attention + elementwise + replayed * one
     elif layout.recompute == "selective":
         policy = SELECTIVE_POLICIES[rt.selective]
         gathers = policy.tp_all_gathers / 2 * one if layout.sequence_parallel else 0.0

@@ -55,13 +55,13 @@ __all__ = ["Hardware", "Runtime", "TimeModel", "SELECTIVE_POLICIES", "collective
 # Fitted on the published runs of benchmarks/planner_published.py (least squares on log MFU; the leave-one-out
 # errors are printed there and listed in docs/planner.md). Each is a property of the GPU's matmul kernels or of
 # the overlap machinery, not of one run.
-GEMM_PEAK_EFFICIENCY = 0.621
+GEMM_PEAK_EFFICIENCY = 0.641
 """Fraction of the dense peak a large bf16 GEMM sustains in training (fitted; cuBLAS reaches 0.7-0.8 of the H100
 peak on 8192^3 at 700 W)."""
-GEMM_KNEE = 592.0
+GEMM_KNEE = 616.0
 """A GEMM whose smallest dimension is ``d`` reaches ``d / (d + GEMM_KNEE)`` of :data:`GEMM_PEAK_EFFICIENCY` (fitted):
 tile quantization and too few tiles to fill the SMs make skinny TP-local matmuls slower."""
-TP_OVERLAP_EXPOSED = 0.0
+TP_OVERLAP_EXPOSED = 0.075
 """Fraction of the TP collectives still exposed when they are overlapped with the GEMMs (torch async TP,
 Megatron's --tp-comm-overlap; fitted: torchtitan measured async TP 1.09-1.10x faster than vanilla TP)."""
 # Taken from sources, not fitted.
@@ -74,7 +74,7 @@ HBM_EFFICIENCY = 0.8
 ELEMENTWISE_BACKWARD = 2.0
 """Backward of an elementwise op moves about twice its forward's bytes: it reads the output gradient and the saved
 inputs and writes the input gradients (unary: 3 tensors vs 2; binary: 5 vs 3), plus the residual gradient adds."""
-FLOAT8_GEMM_EFFICIENCY = {"tensorwise": 0.439, "rowwise": 0.275, "mxfp8": 0.409}
+FLOAT8_GEMM_EFFICIENCY = {"tensorwise": 0.447, "rowwise": 0.279, "mxfp8": 0.423}
 """Fraction of the dense fp8 peak a large float8 block GEMM sustains in training with torchao, dynamic casts and
 scales included (fitted per recipe on torchtitan's H100 float8 rows without context parallelism in
 ``benchmarks/planner_published.py``: Llama 3 8B, 70B and 405B; mxfp8 on its published B200 speedup over bf16, 1.20x,
@@ -117,7 +117,8 @@ SELECTIVE_POLICIES = {
 
 @dataclass(frozen=True)
 class Runtime:
-    """What the training software does that changes the step time (not the memory). Defaults: this project.
+    """What the training software does that changes the step time (and, where said, the memory). Defaults: this
+    project.
 
     Args:
         fused_elementwise: norms, rotary, SiLU and residual adds run as fused kernels (``torch.compile`` per block,
@@ -140,9 +141,13 @@ class Runtime:
             model, Megatron-LM, Megatron-Bridge, NeMo); ``False``: five separate GEMMs (torchtitan, Hugging Face).
             The FLOPs are the same; the fused GEMMs are wider, so skinny TP-local k and v projections no longer run
             at their own low efficiency, and autocast casts each projection input once instead of per projection.
-        ring_attention: how context parallelism exchanges K/V (``planner/block_comm.py``): ``"gather"``, this
-            project's (one all-gather of K/V at their own heads per block); ``"rotate"``, torch's
+        ring_attention: the context-parallel attention (``planner/context_parallel.py``): ``"blockwise"``, this
+            project's (K/V all-gathered at their own heads, fp32 matmuls block by block under checkpointing);
+            ``"gather"``, Llama 3's (the same all-gather, a fused attention kernel); ``"rotate"``, torch's
             ``context_parallel`` ring as torchtitan runs it (K/V repeated to the query heads, one step at a time).
+        pipeline_keeps_outputs: memory, not time: the last pipeline stage keeps every micro-batch's logits until
+            the step ends (torch's ``schedule.step()`` returns them unless ``return_outputs=False``; this
+            project's ``PipelineRunner`` calls it with the default), not only those in flight.
     """
 
     fused_elementwise: bool = False
@@ -154,7 +159,8 @@ class Runtime:
     float8: Optional[str] = None
     fsdp_regather: bool = True
     fused_projections: bool = True
-    ring_attention: str = "gather"
+    ring_attention: str = "blockwise"
+    pipeline_keeps_outputs: bool = True
 
 
 @dataclass(frozen=True)
