@@ -130,8 +130,8 @@ def test_the_last_stage_holds_the_loss_on_its_vocabulary_shard_and_the_logits_th
     assert full.logits == 2 * vocab and shard.logits == 2 * -(-vocab // tp)
     p = problem(seq=32768, batch=128, loss_parallel=True)
     layout = Layout(8, 2, 8, "fsdp", 1, 16, "1f1b", recompute="full", sequence_parallel=True)
-    kept = rank_memory_breakdown(p, layout, 1)["activations"]
-    in_flight = rank_memory_breakdown(replace(p, runtime=replace(p.runtime, pipeline_keeps_outputs=False)), layout, 1)
-    assert kept - in_flight["activations"] == pytest.approx(15 * 32768 * shard.logits)  # 16 kept, 1 in flight
-    assert rank_memory_breakdown(p, layout, 0) == rank_memory_breakdown(  # the first stage outputs no logits
-        replace(p, runtime=replace(p.runtime, pipeline_keeps_outputs=False)), layout, 0)
+    keeping = replace(p, runtime=replace(p.runtime, pipeline_keeps_outputs=True))  # torch's default step()
+    kept = rank_memory_breakdown(keeping, layout, 1)["activations"]
+    in_flight = rank_memory_breakdown(p, layout, 1)["activations"]  # the runner's step(return_outputs=False)
+    assert kept - in_flight == pytest.approx(15 * 32768 * shard.logits)  # 16 kept, 1 in flight
+    assert rank_memory_breakdown(p, layout, 0) == rank_memory_breakdown(keeping, layout, 0)  # no logits on stage 0

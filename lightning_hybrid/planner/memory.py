@@ -281,7 +281,8 @@ class ActivationModel:
             (8 bytes per logit), or under loss parallel torch's fused backward of both on the vocabulary shard
             (``zeros_like``, ``exp`` and their sum, 12 bytes per logit).
         logits: the last stage's output, the logits in the compute dtype (all-gathered to the full vocabulary,
-            or this rank's vocabulary shard under loss parallel): what a pipeline schedule keeps per micro-batch.
+            or this rank's vocabulary shard under loss parallel): a pipeline's last stage holds them per micro-batch in
+            flight (or, when its schedule returns its outputs, per micro-batch of the step).
     """
 
     layer: float

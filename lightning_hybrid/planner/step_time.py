@@ -146,8 +146,8 @@ class Runtime:
             ``"gather"``, Llama 3's (the same all-gather, a fused attention kernel); ``"rotate"``, torch's
             ``context_parallel`` ring as torchtitan runs it (K/V repeated to the query heads, one step at a time).
         pipeline_keeps_outputs: memory, not time: the last pipeline stage keeps every micro-batch's logits until
-            the step ends (torch's ``schedule.step()`` returns them unless ``return_outputs=False``; this
-            project's ``PipelineRunner`` calls it with the default), not only those in flight.
+            the step ends (torch's ``schedule.step()`` does, to return them, unless ``return_outputs=False``, which
+            this project's ``PipelineRunner`` passes), not only those in flight.
     """
 
     fused_elementwise: bool = False
@@ -160,7 +160,7 @@ class Runtime:
     fsdp_regather: bool = True
     fused_projections: bool = True
     ring_attention: str = "blockwise"
-    pipeline_keeps_outputs: bool = True
+    pipeline_keeps_outputs: bool = False
 
 
 @dataclass(frozen=True)
