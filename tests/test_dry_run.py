@@ -338,3 +338,27 @@ def test_a_loss_parallel_trace_holds_what_the_planner_counts_not_global_shape_ph
     # labels and the loss's scalars are the rest); with the phantoms counted the peak held 24 bytes per logit, not 20
     expected = tokens * (4 * vocab // 2 + 4 * vocab // 2 + act.loss_working)
     assert peak == pytest.approx(expected, rel=1e-3), (peak, expected)
+
+
+@pytest.mark.slow  # two dry runs of the tiny recipe
+@pytest.mark.timeout(240)
+def test_a_context_parallel_rank_is_traced_on_its_share_of_each_sequence() -> None:
+    """The dry run gives a rank its cp share of each sequence, as the strategy's batch_to_device does in Lightning's
+    loop: at cp=2 a rank's activations are about half of cp=1's and its planner's (it traced whole sequences before,
+    with the gathered K/V of two of them on top)."""
+    from dataclasses import replace
+
+    from lightning_hybrid.dryrun.cli import _check, role_pool
+    from lightning_hybrid.dryrun.compare import predict
+    from lightning_hybrid.dryrun.rank import run_rank
+    from lightning_hybrid.dryrun.recipe import load_job
+
+    base = replace(load_job(str(TINY)), seq_len=512, batch_size=2)
+    jobs = [base.with_strategy(tp=1, pp=1, dp=4, cp=1), base.with_strategy(tp=1, pp=1, dp=2, cp=2)]
+    with role_pool(2) as pool:
+        whole, split = pool.map(run_rank, jobs, [0, 0])
+    assert 0.4 < split.activation_peak / whole.activation_peak < 0.8, (split.activation_peak, whole.activation_peak)
+    options, dims, config, _ = _check(jobs[1])
+    planned = predict(jobs[1], config, dims, options, split, "h100", 80e9).figures["transient"]
+    traced = split.total_peak - sum(split.state.values())  # all but the model state, as the 72B checks compare
+    assert abs(traced / planned - 1) < 0.2, (traced, planned)

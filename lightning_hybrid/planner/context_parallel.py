@@ -46,12 +46,13 @@ the product written (4), scaled (4 + 4), masked (1 + 4 + 4), the log-sum-exp rea
 exponential (4 + 4) and read by the second product (4): 45; the backward 57 (the probabilities' gradient 4, times the
 probabilities 4 + 4 + 4, the shift's and log-sum-exp's gradients 4 + 4 + 4, the mask 1 + 4 + 4, the scale 4 + 4, the
 first product's two reads 4 + 4)."""
-BLOCKWISE_SAVED_BYTES = 9
-"""Bytes per score element a block keeps for backward once its forward is replayed: the mask (1), the masked scores
-(the log-sum-exp's input, 4) and the probabilities (the exponential's output, 4)."""
+BLOCKWISE_SAVED_BYTES = 8
+"""Bytes per score element a block keeps for backward once its forward is replayed: the masked scores (the
+log-sum-exp's input, 4) and the probabilities (the exponential's output, 4); the mask is per query-key pair, shared by
+the heads. As the dry run traces it (``where`` and ``exp`` of every block held in the first block's backward)."""
 BLOCKWISE_BACKWARD_BYTES = 12
 """Bytes per score element of one block's backward working set: the probabilities' gradient, its product with the
-probabilities and the log-sum-exp's gradient term, fp32 each."""
+probabilities and the shifted scores' gradient, fp32 each (``mul``, ``sub`` and the one being made, traced)."""
 
 
 def _exchange_passes(layout: Layout) -> int:
