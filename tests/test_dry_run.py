@@ -104,6 +104,24 @@ def test_uneven_fsdp_shards_make_their_own_role() -> None:
     assert [r.ranks for r in rank_roles(config, spec, dims, options)] == [(0, 1), (2,)]
 
 
+def test_fsdp_shards_over_dp_times_cp_in_roles_and_in_the_planner_figures() -> None:
+    """FSDP shards over dp x cp (every cp rank holds its own shard): with tp=1, cp=2, dp=3 the vocabulary of 256 rows
+    splits 6-way as 43 x 5 + 41, so only the last (dp, cp) coordinate is a role of its own; and the planner is asked
+    about the layout with its cp (each rank's state is its 6-way shard, its tokens half of each sequence)."""
+    from lightning_hybrid.dryrun.cli import _check
+    from lightning_hybrid.dryrun.compare import _layout
+    from lightning_hybrid.dryrun.recipe import load_job
+    from lightning_hybrid.dryrun.roles import rank_roles
+
+    job = load_job(str(TINY))
+    job = type(job)(**{**job.__dict__, "devices_per_node": 6}).with_strategy(tp=1, cp=2)
+    options, dims, config, spec = _check(job)
+    assert (dims.dp, dims.cp) == (3, 2)
+    assert [r.ranks for r in rank_roles(config, spec, dims, options)] == [(0, 1, 2, 3, 4), (5,)]
+    layout = _layout(job, dims, options)  # what the planner is asked about each traced rank
+    assert (layout.cp, layout.shard_ranks) == (2, 6)
+
+
 def test_traced_ranks_run_in_fresh_processes_of_a_fork_server_with_the_callers_environment(monkeypatch) -> None:
     # A rank's process is forked from multiprocessing's fork server (which imported torch and Lightning once), not
     # spawned by the caller; one process per rank (a process joins one world); the caller's environment as it is at
@@ -234,18 +252,18 @@ def test_72b_recipe_without_model_parallelism_does_not_fit_an_h100(tmp_path) -> 
     assert "rank 0 (pp=0, dp=0, tp=0;" in line and "activation" in line and "usable" in line
 
 
-def _tiny_tp2_job(layers: int, sequence_parallel: bool):
-    """The tiny recipe as one TP pair (tp=2, fp32, one sequence of 128 tokens) with ``layers`` blocks and selective
-    recompute: the planner's activation model is per block and token, so two depths isolate one block."""
+def _tiny_tp2_job(layers: int, sequence_parallel: bool, model: str = "tiny", recompute: str = "selective"):
+    """The tiny recipe as one TP pair (tp=2, fp32, one sequence of 128 tokens) with ``layers`` blocks of ``model`` and
+    ``recompute``: the planner's activation model is per block and token, so two depths isolate one block."""
     from dataclasses import replace
 
     from lightning_hybrid.dryrun.recipe import load_job
     from lightning_hybrid.models.qwen2.config import Qwen2Config
 
-    config = replace(Qwen2Config.resolve("tiny"), num_hidden_layers=layers)
+    config = replace(Qwen2Config.resolve(model), num_hidden_layers=layers)
     return replace(load_job(str(TINY)), num_nodes=1, devices_per_node=2, precision="32-true", batch_size=1,
                    seq_len=128, model={"model": config},
-                   strategy={"tp": 2, "pp": 1, "dp": 1, "activation_checkpointing": "selective",
+                   strategy={"tp": 2, "pp": 1, "dp": 1, "activation_checkpointing": recompute,
                              "sequence_parallel": sequence_parallel})
 
 
@@ -268,6 +286,28 @@ def test_planner_counts_exactly_what_selective_recompute_keeps_per_block_and_tok
         traced = (peaks[(sp, 6)] - peaks[(sp, 2)]) / (4 * 128)
         planned = activation_model(Qwen2Config.resolve("tiny"), 2, sp, "selective", "32-true", 128).layer
         assert traced == planned, (sp, traced, planned)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(240)
+def test_planner_counts_exactly_what_qwen3_q_k_norms_keep_per_block_and_token() -> None:
+    # Qwen3's per-head q/k norms save their fp32 input, the fp32 rsqrt per head and the normalized value (for the
+    # weight's gradient); a head_dim of 32 at width 64 (tiny-qwen3): q is twice the width. Without recompute they are
+    # kept; selective recompute re-runs them. Traced 6 blocks less 2 blocks, per token, tp=2 with sequence parallel.
+    from lightning_hybrid.dryrun.cli import role_pool
+    from lightning_hybrid.dryrun.rank import run_rank
+    from lightning_hybrid.models.qwen2.config import Qwen2Config
+    from lightning_hybrid.planner.memory import activation_model
+
+    cases = [(mode, layers) for mode in ("none", "selective") for layers in (2, 6)]
+    with role_pool(2) as pool:
+        peaks = dict(zip(cases, (r.activation_peak for r in pool.map(
+            run_rank, [_tiny_tp2_job(layers, True, "tiny-qwen3", mode) for mode, layers in cases],
+            [0] * len(cases)))))
+    config = Qwen2Config.resolve("tiny-qwen3")
+    for mode in ("none", "selective"):
+        traced = (peaks[(mode, 6)] - peaks[(mode, 2)]) / (4 * 128)
+        assert traced == activation_model(config, 2, True, mode, "32-true", 128).layer, (mode, traced)
 
 
 @pytest.mark.slow  # two dry runs of the tiny recipe (about 20 s)

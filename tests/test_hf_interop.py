@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from helpers.hf_models import hf_logits, offline_hub_cache, write_checkpoint
 from helpers.launch import TESTS, launch
 from lightning_hybrid.checkpoint.export import export_hf, export_main, parse_size
 from lightning_hybrid.hub import resolve_hf_path
@@ -47,16 +48,6 @@ def build_hf_model(tie: bool, seed: int = 0):
             if name.endswith(".bias") or "norm" in name:
                 p.add_(0.1 * torch.randn_like(p))
     return model
-
-
-def hf_logits(folder_or_model, inputs: torch.Tensor) -> torch.Tensor:
-    from transformers import AutoModelForCausalLM
-
-    model = folder_or_model
-    if isinstance(model, (str, Path)):
-        model = AutoModelForCausalLM.from_pretrained(str(model), dtype=torch.float32).eval()
-    with torch.no_grad():
-        return model(inputs).logits
 
 
 @pytest.fixture(scope="module")
@@ -147,11 +138,12 @@ def test_config_from_hf_reads_both_rope_layouts_and_refuses_unsupported_features
     assert Qwen2Config.from_hf(folder / "config.json").rope_theta == 123.0
     cases = {
         "use_sliding_window=true is not supported": dict(use_sliding_window=True),
-        "rope scaling type 'yarn' is not implemented": dict(rope_scaling={"type": "yarn", "factor": 4.0}),
+        # yarn and llama3 are implemented (tests/test_model_families.py); dynamic NTK is not
+        "rope scaling type 'dynamic' is not implemented": dict(rope_scaling={"type": "dynamic", "factor": 4.0}),
         "rope scaling type 'linear' is not implemented": dict(rope_parameters={"rope_type": "linear",
                                                                                "rope_theta": 1.0, "factor": 2.0}),
         "hidden_act='gelu' is not supported; only 'silu'": dict(hidden_act="gelu"),
-        "model_type='llama' is not supported": dict(model_type="llama"),
+        "model_type='gpt2' is not supported": dict(model_type="gpt2"),  # llama is a family of the core now
     }
     for message, changes in cases.items():
         with pytest.raises(ValueError, match=message) as err:
@@ -162,16 +154,8 @@ def test_config_from_hf_reads_both_rope_layouts_and_refuses_unsupported_features
 
 
 def test_repo_id_resolves_from_the_offline_cache(folders, tmp_path, monkeypatch, inputs):
-    from huggingface_hub import constants
-
-    commit = "0123456789abcdef0123456789abcdef01234567"
-    repo = tmp_path / "models--org--tiny-qwen2"
-    shutil.copytree(folders["single"], repo / "snapshots" / commit)
-    (repo / "refs").mkdir()
-    (repo / "refs" / "main").write_text(commit)
-    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
-    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path))
-    assert resolve_hf_path("org/tiny-qwen2") == repo / "snapshots" / commit
+    snapshot = offline_hub_cache(folders["single"], tmp_path, monkeypatch, "org/tiny-qwen2")
+    assert resolve_hf_path("org/tiny-qwen2") == snapshot
     with torch.no_grad():
         torch.testing.assert_close(Qwen2.from_hf("org/tiny-qwen2")(inputs), hf_logits(folders["single"], inputs),
                                    rtol=1e-5, atol=1e-5)
@@ -241,27 +225,13 @@ def test_load_errors_are_one_line_and_name_the_cause(folders, tmp_path):
 # ---------------------------------------------------------------------------------------------- export (in process)
 
 
-def _write_checkpoint(model: Qwen2, folder: Path, init_from_hf) -> None:
-    """A checkpoint folder in the layout of lightning_hybrid.checkpoint.dcp (model state under "model", meta.json)."""
-    import warnings
-
-    import torch.distributed.checkpoint as dcp
-
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        dcp.save({"model": model.state_dict(), "optimizer_0": {"state.step": torch.tensor(2.0)}},
-                 checkpoint_id=str(folder), no_dist=True)
-    meta = {"model_config": model.config.to_dict(), "hparams": {"init_from_hf": str(init_from_hf)}}
-    (folder / "meta.json").write_text(json.dumps(meta))
-
-
 @pytest.mark.parametrize("dtype", ["fp32", "bf16"])
 def test_export_of_a_checkpoint_writes_a_folder_transformers_loads(folders, inputs, tmp_path, dtype):
     from safetensors import safe_open
 
     model = Qwen2.from_hf(str(folders["sharded"]))
     ckpt = tmp_path / "ckpt"
-    _write_checkpoint(model, ckpt, folders["sharded"])
+    write_checkpoint(model, ckpt, folders["sharded"])
     out = tmp_path / "export"
     assert export_main([str(ckpt), str(out), "--dtype", dtype, "--max-shard-size", "100KB"]) == 0
     index = json.loads((out / "model.safetensors.index.json").read_text())
@@ -290,7 +260,7 @@ def test_export_of_a_checkpoint_writes_a_folder_transformers_loads(folders, inpu
 
 def test_export_of_a_tied_model_omits_the_head_and_transformers_ties_it(folders, inputs, tmp_path):
     model = Qwen2.from_hf(str(folders["tied"]))
-    _write_checkpoint(model, tmp_path / "ckpt", folders["tied"])
+    write_checkpoint(model, tmp_path / "ckpt", folders["tied"])
     out = export_hf(tmp_path / "ckpt", tmp_path / "export", dtype="fp32")
     assert "lm_head.weight" not in json.loads((out / "model.safetensors.index.json").read_text())["weight_map"]
     assert json.loads((out / "config.json").read_text())["tie_word_embeddings"] is True
@@ -304,7 +274,7 @@ def test_export_errors_are_one_line(folders, tmp_path, capsys):
     assert "\n" not in err and "no meta.json in" in err
     model = Qwen2.from_hf(str(folders["single"]))
     ckpt = tmp_path / "ckpt"
-    _write_checkpoint(model, ckpt, folders["single"])
+    write_checkpoint(model, ckpt, folders["single"])
     meta = json.loads((ckpt / "meta.json").read_text())
     (ckpt / "meta.json").write_text(
         json.dumps({**meta, "model_config": {**meta["model_config"], "num_hidden_layers": 5}}))

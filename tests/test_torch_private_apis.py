@@ -24,6 +24,9 @@ Wrappers (in ``lightning_hybrid.distributed``) and the private APIs they use:
   counts the epoch's batches) and its state-dict key ``epoch_loop.batch_progress``;
 - ``checkpoint.storage.storage_writer`` / ``storage_reader``: ``torch.distributed.checkpoint._fsspec_filesystem``'s
   ``FsspecWriter`` and ``FsspecReader`` (a path and fsspec's storage options as keywords);
+- ``checkpoint.staging.tie_writer_to_parent``: ``torch.distributed.checkpoint._async_process_executor``'s
+  ``_AsyncCheckpointProcess._checkpointing_subprocess`` (a static method of ``(pg_init_info, parent_conn)``, the
+  target of the writer daemon that ``__init__`` spawns);
 - ``lightning_hybrid.distributed.auto_layout._data``: Lightning's ``trainer.fit_loop._data_source.instance`` (the
   DataLoader given to ``fit``, before Lightning sets it up), read by the auto layout.
 
@@ -70,6 +73,7 @@ RESTORE_COUNTERS = "lightning_hybrid.callbacks.rollback._restore_counters"
 REWIND = "lightning_hybrid.callbacks.rollback._rewind"
 FSSPEC_WRITER = "lightning_hybrid.checkpoint.storage.storage_writer"
 FORGET_STAGE_SHAPES = "lightning_hybrid.distributed.pipeline.runner.forget_stage_shapes"
+WRITER_DAEMON = "lightning_hybrid.checkpoint.staging.tie_writer_to_parent"
 
 
 def broken(wrapper: str, what: str) -> str:
@@ -528,3 +532,19 @@ def test_dcp_fsspec_writer_and_reader_take_a_path_and_storage_options(tmp_path):
         loaded = {"w": torch.zeros(4)}
         dcp.load(loaded, storage_reader=reader(url, auto_mkdir=True), no_dist=True)
     assert torch.equal(loaded["w"], torch.arange(4.0))
+
+
+# ---------------------------------------------------------------------------------- the process writer's daemon
+
+
+def test_the_process_writer_daemon_is_spawned_with_a_static_target_of_two_arguments():
+    from lightning_hybrid.checkpoint import staging
+
+    process = private("torch.distributed.checkpoint._async_process_executor", "_AsyncCheckpointProcess",
+                      WRITER_DAEMON)
+    target = inspect.getattr_static(process, "_checkpointing_subprocess")
+    assert isinstance(target, staticmethod), broken(WRITER_DAEMON, "_checkpointing_subprocess is no static method")
+    original = staging._TORCH_WRITER_DAEMON.get("target", target.__func__)  # this process may have tied it already
+    takes(original, ["pg_init_info", "parent_conn"], WRITER_DAEMON)
+    spawned = inspect.getsource(process.__init__)
+    assert "target=self._checkpointing_subprocess" in spawned, broken(WRITER_DAEMON, "the daemon's target changed")

@@ -1,4 +1,5 @@
-"""``lightning-hybrid export-hf``: a sharded training checkpoint -> a Hugging Face Qwen2 folder.
+"""``lightning-hybrid export-hf``: a sharded training checkpoint -> a Hugging Face folder of the model's own family
+(``Qwen2ForCausalLM``, ``LlamaForCausalLM``, ``Qwen3ForCausalLM`` or ``MistralForCausalLM``).
 
 The checkpoint is read one tensor at a time with Distributed Checkpoint (which assembles the
 tensor from whatever mesh wrote it), so the exporter holds at most one output shard and one tensor
@@ -21,8 +22,9 @@ from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.metadata import Metadata
 
 from lightning_hybrid.checkpoint.storage import ObjectPath, checkpoint_path, storage_reader
-from lightning_hybrid.models.qwen2.config import Qwen2Config
-from lightning_hybrid.models.qwen2.hf import TOKENIZER_FILES, expected_hf_tensors, hf_to_ours
+from lightning_hybrid.models.decoder.config import DecoderConfig
+from lightning_hybrid.models.decoder.hf import TOKENIZER_FILES, expected_hf_tensors, hf_to_ours
+from lightning_hybrid.models.decoder.hf import hf_config_dict as family_config_dict
 
 __all__ = ["export_hf", "export_main", "parse_size", "hf_config_dict", "EXPORT_DTYPES"]
 
@@ -51,36 +53,14 @@ def parse_size(size: Union[int, str]) -> int:
     return value
 
 
-def hf_config_dict(config: Qwen2Config, dtype: torch.dtype, base: Optional[dict[str, Any]] = None) -> dict[str, Any]:
-    """The ``config.json`` of ``config`` for ``Qwen2ForCausalLM``; ``base`` (the imported model's) keeps its
-    other keys (token ids, ...)."""
-    values: dict[str, Any] = dict(base or {})
-    for key in ("rope_scaling", "name"):
-        values.pop(key, None)
-    values.update({
-        "architectures": ["Qwen2ForCausalLM"],
-        "model_type": "qwen2",
-        "hidden_act": "silu",
-        "use_sliding_window": False,
-        "max_window_layers": config.num_hidden_layers,
-        "attention_dropout": values.get("attention_dropout", 0.0),
-        "use_cache": True,
-        "torch_dtype": _DTYPE_NAMES[dtype],
-        "dtype": _DTYPE_NAMES[dtype],
-    })
-    fields = config.to_dict()
-    fields.pop("name", None)
-    values.update(fields)
-    values.pop("layer_types", None)  # recomputed from use_sliding_window
-    if isinstance(values.get("rope_parameters"), dict):
-        values["rope_parameters"] = {**values["rope_parameters"], "rope_theta": config.rope_theta,
-                                     "rope_type": "default"}
-    values.setdefault("bos_token_id", None)
-    values.setdefault("eos_token_id", None)
-    return dict(sorted(values.items()))
+def hf_config_dict(config: DecoderConfig, dtype: torch.dtype, base: Optional[dict[str, Any]] = None) -> dict[str, Any]:
+    """The ``config.json`` of ``config`` for its family's ``transformers`` class, with weights of ``dtype``; ``base``
+    (the imported model's) keeps its other keys (token ids, ...). See
+    :func:`lightning_hybrid.models.decoder.hf.hf_config_dict`."""
+    return family_config_dict(config, _DTYPE_NAMES[dtype], base)
 
 
-def _read_meta(checkpoint: Path) -> tuple[Qwen2Config, dict[str, Any]]:
+def _read_meta(checkpoint: Path) -> tuple[DecoderConfig, dict[str, Any]]:
     meta_path = checkpoint / "meta.json"
     if not meta_path.is_file():
         raise FileNotFoundError(f"no meta.json in {checkpoint}: not a lightning-hybrid checkpoint folder, or a save "
@@ -90,7 +70,7 @@ def _read_meta(checkpoint: Path) -> tuple[Qwen2Config, dict[str, Any]]:
     values = meta.get("model_config") or (hparams.get("model") if isinstance(hparams.get("model"), dict) else None)
     if not values:
         raise ValueError(f"{meta_path} has no model_config; the checkpoint was not written by lightning-hybrid")
-    return Qwen2Config.from_dict(values), hparams
+    return DecoderConfig.from_dict(values), hparams
 
 
 def _import_folder(init_from_hf: Optional[str]) -> Optional[Path]:
@@ -149,7 +129,8 @@ def _hf_order(name: str) -> tuple[int, int, str]:
 
 def export_hf(checkpoint_dir: Union[str, Path], out_dir: Union[str, Path], dtype: str = "bf16",
               max_shard_size: Union[int, str] = "5GB", overwrite: bool = False) -> Path:
-    """Write a Hugging Face Qwen2 folder from a lightning-hybrid checkpoint, streaming tensor by tensor.
+    """Write a Hugging Face folder of the checkpoint's family (its ``model_config``'s ``model_type``) from a
+    lightning-hybrid checkpoint, streaming tensor by tensor.
 
     Writes ``model-0000N-of-0000M.safetensors`` shards of at most ``max_shard_size`` (a larger tensor gets a
     shard of its own), ``model.safetensors.index.json``, ``config.json``, ``generation_config.json`` and, when
@@ -196,7 +177,7 @@ def _prepare_out_dir(out: Path, overwrite: bool) -> None:
 
 
 def _check_stored_tensors(reader: "_MetadataOnceReader", checkpoint: Path,
-                          config: Qwen2Config) -> tuple[dict[str, Any], dict[str, tuple[int, ...]]]:
+                          config: DecoderConfig) -> tuple[dict[str, Any], dict[str, tuple[int, ...]]]:
     """(our name -> DCP metadata of the stored model tensors, HF name -> shape the model needs).
 
     Raises:
@@ -249,7 +230,7 @@ def _write_weights(reader: "_MetadataOnceReader", stored: dict[str, Any], expect
     (out / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
 
 
-def _write_configs(out: Path, config: Qwen2Config, out_dtype: torch.dtype, source: Optional[Path]) -> None:
+def _write_configs(out: Path, config: DecoderConfig, out_dtype: torch.dtype, source: Optional[Path]) -> None:
     """``config.json`` and ``generation_config.json``, and the tokenizer files of the folder imported from."""
     base = None
     if source is not None and (source / "config.json").is_file():
@@ -271,7 +252,8 @@ def _write_configs(out: Path, config: Qwen2Config, out_dtype: torch.dtype, sourc
 def export_main(argv: Optional[Sequence[str]] = None) -> int:
     """``lightning-hybrid export-hf CHECKPOINT_DIR OUT_DIR [--dtype bf16] [--max-shard-size 5GB]``."""
     parser = argparse.ArgumentParser(prog="lightning-hybrid export-hf",
-                                     description="Write a Hugging Face Qwen2 folder (safetensors) from a checkpoint.")
+                                     description="Write a Hugging Face folder (safetensors, config.json of "
+                                     "the model's family) from a checkpoint.")
     parser.add_argument("checkpoint_dir", help="a committed checkpoint folder (step-N, with meta.json), local or an "
                         "fsspec URL (s3://bucket/run/step-N; credentials and endpoint from the environment)")
     parser.add_argument("out_dir", help="output folder (created; must be empty unless --overwrite)")

@@ -11,8 +11,9 @@ device's side (async TP's CUDA and NCCL, float8's compute capability) in
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import Any, Callable, Optional
 
+from lightning_hybrid.distributed.default_mesh import log_bare_layout
 from lightning_hybrid.distributed.options import ParallelOptions
 from lightning_hybrid.distributed.parallel_dims import ParallelDims
 from lightning_hybrid.distributed.pipeline.schedules import validate_schedule
@@ -95,7 +96,7 @@ def _feature_error(options: ParallelOptions, dims: ParallelDims, spec: Optional[
 
 def check_options(options: ParallelOptions, world_size: int, devices_per_node: Optional[int],
                   spec: Optional[ParallelSpec], num_blocks: Optional[int], precision: str,
-                  module_name: str) -> ParallelDims:
+                  module_name: str, log: Optional[Callable[[str], Any]] = None) -> ParallelDims:
     """All checks of ``options`` against the world and the model that need no collective.
 
     Identical on every rank, so every rank raises alike before the first collective.
@@ -104,11 +105,12 @@ def check_options(options: ParallelOptions, world_size: int, devices_per_node: O
         spec: the module's declared parts, ``None`` for a module that parallelizes itself.
         num_blocks: the declared model's number of blocks.
         module_name: the LightningModule's class name, for messages.
+        log: where the one line naming a bare strategy's mesh goes (:func:`~.default_mesh.bare_layout_note`).
 
     Raises:
         ValueError: sizes that do not fit the world or the model, or a feature the module cannot use.
     """
-    tp, dp = options.sizes(world_size, devices_per_node)
+    tp, dp = options.sizes(world_size, devices_per_node, self_parallel=spec is None)
     dims = ParallelDims.resolve(tp, options.pp, dp, world_size, devices_per_node=devices_per_node, cp=options.cp,
                                 dp_shard=options.dp_shard)
     problem = _feature_error(options, dims, spec, precision, module_name)
@@ -129,4 +131,5 @@ def check_options(options: ParallelOptions, world_size: int, devices_per_node: O
         plan_stages(spec, num_blocks, options.pp * options.virtual_stages, options.pp_split_points)
     elif options.virtual_stages != 1:
         raise ValueError(f"virtual_stages={options.virtual_stages} needs pp>1; use virtual_stages=1")
+    log_bare_layout(options, dims, spec is None, log)
     return dims

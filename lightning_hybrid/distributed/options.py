@@ -275,14 +275,25 @@ class ParallelOptions:
             return self.microbatches
         return default_microbatches(self.pp_schedule, self.pp, self.virtual_stages)
 
-    def sizes(self, world_size: int, devices_per_node: Optional[int]) -> tuple[int, Optional[int]]:
+    def is_bare(self) -> bool:
+        """No size was given: ``tp``, ``dp``, ``tensor_parallel_size``, ``data_parallel_size``, ``pp`` and ``cp`` at
+        their defaults (a bare ``HybridParallelStrategy()``; see :mod:`~lightning_hybrid.distributed.default_mesh`)."""
+        return (self.tp == 1 and self.dp is None and self.tensor_parallel_size is None
+                and self.data_parallel_size is None and self.pp == 1 and self.cp == 1)
+
+    def sizes(self, world_size: int, devices_per_node: Optional[int],
+              self_parallel: bool = False) -> tuple[int, Optional[int]]:
         """``(tp, dp)`` with Lightning's ``"auto"`` resolved: ``tensor_parallel_size="auto"`` is the devices per node,
-        ``data_parallel_size="auto"`` the number of nodes (``devices_per_node=None``: one node).
+        ``data_parallel_size="auto"`` the number of nodes (``devices_per_node=None``: one node). A module that
+        parallelizes itself (``self_parallel``) under a bare strategy (:meth:`is_bare`) gets both as ``"auto"``:
+        the mesh a bare ``ModelParallelStrategy()`` builds.
 
         Raises:
             ValueError: ``tp``/``dp`` was given too and differs from what ``"auto"`` means here.
         """
         per_node = devices_per_node or world_size
+        if self_parallel and self.is_bare():
+            return per_node, world_size // per_node
         tp = _auto("tp", self.tp, 1, "tensor_parallel_size", self.tensor_parallel_size, per_node)
         dp = _auto("dp", self.dp, None, "data_parallel_size", self.data_parallel_size, world_size // per_node)
         return tp, dp

@@ -79,16 +79,18 @@ def predict(job: DryRunJob, config: Any, dims: Any, options: Any, result: RankRe
 
     c = result.coordinates
     stage_style = "v" if options.pp_schedule in V_SHAPED else "loop"
-    # FSDP shards over dp, HSDP inside groups of dp_shard consecutive dp ranks (dp_shard == dp without HSDP): the
-    # rank's state is FSDP's over its shard group
+    # FSDP shards over dp x cp, HSDP inside groups of dp_shard consecutive dp ranks (dp_shard == dp without HSDP) x cp:
+    # the rank's state is FSDP's over its shard group, where its index is (dp within the group, cp) flattened
     mode = "fsdp" if options.data_parallel == "hsdp" else options.data_parallel
-    state = rank_memory(config, dims.tp, dims.pp, dims.dp_shard, mode, c["pp"], c["tp"], c["dp"] % dims.dp_shard,
+    shard_index = (c["dp"] % dims.dp_shard) * dims.cp + c.get("cp", 0)
+    state = rank_memory(config, dims.tp, dims.pp, dims.dp_shard * dims.cp, mode, c["pp"], c["tp"], shard_index,
                         job.precision, "adamw", options.virtual_stages, stage_style)
     hw = Hardware(SYSTEM_GPUS[gpu], job.world_size, job.devices_per_node)
     problem = Problem(config, hw, job.seq_len, job.batch_size * dims.dp, job.precision,
                       runtime=runtime_from_options(job.strategy, job.precision))
     layout = _layout(job, dims, options)
-    # the traced step's micro-batches: a pipeline's last stage keeps every micro-batch's logits to the step's end
+    # at the traced micro-batches; what grows with their count beyond those in flight (a schedule that keeps its
+    # outputs) is added to the traced peak for the recipe's whole step by the report (full_step_total)
     memory = rank_memory_breakdown(problem, _layout(job, dims, options, traced_microbatches), c["pp"])
     figures = {"parameters": state["param_bytes"], "gradients": state["grad_bytes"],
                "optimizer": state["optimizer_bytes"], "activations": memory["activations"],

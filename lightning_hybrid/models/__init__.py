@@ -1,15 +1,32 @@
-"""Models that declare their parallel structure: the Qwen2 architecture and its LightningModule.
+"""Models that declare their parallel structure: the decoder core (Qwen2, Llama 3.x, Qwen3, Mistral) and its
+LightningModule.
 
-The names load on first use (PEP 562): ``lightning_hybrid.models.qwen2.config`` (sizes, presets, FLOPs) is read by
-the planner without torch or Lightning; ``CausalLM`` and ``Qwen2`` load them when asked for.
+The names load on first use (PEP 562): the configs (``lightning_hybrid.models.decoder.config``: sizes, presets, FLOPs)
+are read by the planner without torch or Lightning; ``CausalLM``, ``Decoder`` (``Qwen2``) and :func:`from_hf` load
+torch when asked for.
 """
 
 from typing import Any
 
-from lightning_hybrid.models.qwen2.config import PRESETS, Qwen2Config
+from lightning_hybrid.models.decoder.config import PRESETS, DecoderConfig
+from lightning_hybrid.models.qwen2.config import Qwen2Config
 from lightning_hybrid.models.spec import ParallelSpec
 
-__all__ = ["CausalLM", "PRESETS", "ParallelSpec", "Qwen2", "Qwen2Config"]
+__all__ = ["CausalLM", "Decoder", "DecoderConfig", "PRESETS", "ParallelSpec", "Qwen2", "Qwen2Config", "from_hf"]
+
+
+def from_hf(path_or_repo_id: str) -> Any:
+    """The single-device :class:`~lightning_hybrid.models.decoder.model.Decoder` of a Hugging Face checkpoint (a
+    local folder or a Hub repo id), with its weights, in fp32 on the CPU; ``config.json``'s ``model_type`` picks the
+    family.
+
+    Raises:
+        FileNotFoundError: no such folder or repo, or no ``config.json`` or safetensors files in it.
+        ValueError: a config this core does not compute exactly, or weights that do not match it (one line).
+    """
+    from lightning_hybrid.models.decoder.model import Decoder
+
+    return Decoder.from_hf(path_or_repo_id)
 
 
 def __getattr__(name: str) -> Any:
@@ -17,10 +34,10 @@ def __getattr__(name: str) -> Any:
         from lightning_hybrid.models.causal_lm import CausalLM
 
         return CausalLM
-    if name == "Qwen2":
-        from lightning_hybrid.models.qwen2.model import Qwen2
+    if name in ("Qwen2", "Decoder"):
+        from lightning_hybrid.models.decoder.model import Decoder
 
-        return Qwen2
+        return Decoder
     raise AttributeError(f"module 'lightning_hybrid.models' has no attribute {name!r}")
 
 

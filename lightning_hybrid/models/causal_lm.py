@@ -1,4 +1,4 @@
-"""``CausalLM``: the LightningModule for next-token training of a Qwen2 model."""
+"""``CausalLM``: the LightningModule for next-token training of a decoder of any family the core computes."""
 
 from __future__ import annotations
 
@@ -13,8 +13,8 @@ from torch import Tensor
 from torchmetrics import MeanMetric
 
 from lightning_hybrid.init_weights import init_parameters
-from lightning_hybrid.models.qwen2.config import Qwen2Config, flops_per_token, parallel_spec
-from lightning_hybrid.models.qwen2.model import Qwen2, parameter_init
+from lightning_hybrid.models.decoder.config import DecoderConfig, flops_per_token, parallel_spec
+from lightning_hybrid.models.decoder.model import Decoder, parameter_init
 from lightning_hybrid.models.spec import ParallelSpec, token_mean_loss
 
 __all__ = ["CausalLM", "split_batch", "position_ids_of", "LR_SCHEDULES"]
@@ -54,7 +54,8 @@ def lr_lambda(step: int, warmup_steps: int, max_steps: int, schedule: str, min_l
 
 
 class CausalLM(pl.LightningModule):
-    """Next-token training of a Qwen2-architecture model with AdamW and a warmup + decay schedule.
+    """Next-token training of a decoder (Qwen2 / Qwen2.5, Llama 3.x, Qwen3, Mistral) with AdamW and a warmup + decay
+    schedule.
 
     The model is built in ``configure_model`` on the meta device; under
     :class:`~lightning_hybrid.HybridParallelStrategy` it is sharded before any weight is allocated, so
@@ -65,8 +66,9 @@ class CausalLM(pl.LightningModule):
     shifted (``-100`` ignored). The loss is the mean over all label tokens of the global batch.
 
     Args:
-        model: preset name (``"tiny"``, ``"qwen2.5-72b"``, ...), a :class:`Qwen2Config`, or a folder with a
-            ``config.json``.
+        model: preset name (``"tiny"``, ``"qwen2.5-72b"``, ``"llama3.1-70b"``, ``"qwen3-32b"``, ...), a
+            :class:`~lightning_hybrid.models.DecoderConfig` (``Qwen2Config``), or a Hugging Face folder or repo id
+            with a ``config.json`` (its ``model_type`` picks the family).
         lr: peak learning rate.
         weight_decay: AdamW weight decay, applied to matrices only (not to norms and biases).
         betas: AdamW betas.
@@ -76,15 +78,16 @@ class CausalLM(pl.LightningModule):
         lr_schedule: ``"cosine"``, ``"linear"`` or ``"constant"`` after warmup.
         min_lr_ratio: final LR as a fraction of ``lr``.
         init_seed: seed of the weight initialization; ``None`` uses the global seed (``seed_everything``).
-        init_from_hf: a Hugging Face repo id or local folder to load the initial weights from.
+        init_from_hf: a Hugging Face repo id or local folder to load the initial weights from (each rank reads
+            only its slices).
 
     Raises:
-        ValueError: an unknown preset or schedule.
+        ValueError: an unknown preset or schedule, or a ``config.json`` this core does not compute exactly.
     """
 
     def __init__(
         self,
-        model: Union[str, Qwen2Config] = "tiny",
+        model: Union[str, DecoderConfig] = "tiny",
         lr: float = 3e-4,
         weight_decay: float = 0.1,
         betas: tuple[float, float] = (0.9, 0.95),
@@ -97,12 +100,12 @@ class CausalLM(pl.LightningModule):
         init_from_hf: Optional[str] = None,
     ) -> None:
         super().__init__()
-        self.config = Qwen2Config.resolve(model)
+        self.config = DecoderConfig.resolve(model)
         if lr_schedule not in LR_SCHEDULES:
             raise ValueError(f"lr_schedule={lr_schedule!r} is not supported; use one of {', '.join(LR_SCHEDULES)}")
         self.save_hyperparameters(ignore=["model"])
         self.hparams["model"] = self.config.to_dict()
-        self.model: Optional[Qwen2] = None
+        self.model: Optional[Decoder] = None
         self.val_loss = MeanMetric()
         self.test_loss = MeanMetric()
 
@@ -117,7 +120,7 @@ class CausalLM(pl.LightningModule):
         return self.config.num_hidden_layers
 
     def flops_per_token(self, seq_len: int) -> float:
-        """Model FLOPs per trained token at ``seq_len``; see :func:`~lightning_hybrid.models.qwen2.flops_per_token`)."""
+        """Model FLOPs per trained token at ``seq_len`` (:func:`~lightning_hybrid.models.decoder.flops_per_token`)."""
         return flops_per_token(self.config, seq_len)
 
     def _declared_runner(self) -> Optional[Any]:
@@ -145,7 +148,7 @@ class CausalLM(pl.LightningModule):
         if self.model is not None:
             return
         with torch.device("meta"):
-            model = Qwen2(self.config)
+            model = Decoder(self.config)
         strategy = self._strategy()
         # A strategy that runs declared models shards the meta-device model before allocating it.
         if not callable(getattr(strategy, "declared_model_runner", None)):
@@ -162,7 +165,7 @@ class CausalLM(pl.LightningModule):
         ``init_from_hf`` when given (each rank reads only its own slices).
         """
         if self.hparams.get("init_from_hf"):
-            from lightning_hybrid.models.qwen2.hf import load_hf_weights
+            from lightning_hybrid.models.decoder.hf import load_hf_weights
 
             load_hf_weights(model, self.hparams.init_from_hf, self.config)
             return

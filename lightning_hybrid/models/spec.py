@@ -43,6 +43,9 @@ class ParallelSpec:
         block_norms: norms of a block, sharded on the sequence under sequence parallelism.
         block_norm_consumers: submodules fed by those norms; their input is gathered back to the
             full sequence under sequence parallelism.
+        head_norms: norms inside a block that act on each attention head, fed (batch, seq, heads, head_dim) from a
+            colwise projection (Qwen3's q/k norms). Under tensor parallelism a rank holds some of the heads: the norm
+            keeps its weight whole and its gradient is summed over the TP ranks.
         block_attention: attribute name of a block's attention submodule (recomputed alone by
             ``activation_checkpointing="selective", selective_ac="attention"``).
         attention_core: attribute of ``block_attention`` holding its causal attention core, a
@@ -63,6 +66,7 @@ class ParallelSpec:
     block_plan: dict[str, str]
     block_norms: tuple[str, ...] = ()
     block_norm_consumers: tuple[str, ...] = ()
+    head_norms: tuple[str, ...] = ()
     block_attention: Optional[str] = None
     attention_core: Optional[str] = None
     tp_divisible: dict[str, int] = field(default_factory=dict)

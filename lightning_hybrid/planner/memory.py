@@ -330,7 +330,10 @@ def activation_model(config: Qwen2Config, tp: int = 1, sequence_parallel: bool =
     # q, k, v and the attention output (o_proj's input is a view of it)
     attention = (a * (q + 2 * kv_saved + q) + lse) / tp + rotary
     mlp = 4 * a * inter / tp  # gate out (silu input), silu out, up out, product (down input)
-    full = _norm_saved(h, prec, tp, sp, 3) + _norm_saved(h, prec, tp, sp, 2) + attention + mlp
+    # Qwen3's per-head q/k norms: the fp32 input, the fp32 rsqrt per head and the normalized value in the compute
+    # dtype (the weight's multiply saves it) for q and for k; the rotary products after them save only cos and sin.
+    qk_norm = ((4 + a) * (q + kv) + 4 * (c.num_attention_heads + c.num_key_value_heads)) / tp if c.qk_norm else 0.0
+    full = _norm_saved(h, prec, tp, sp, 3) + _norm_saved(h, prec, tp, sp, 2) + attention + mlp + qk_norm
     block_input = prec.residual * h / (tp if sp else 1)
     if mode == "none":
         layer = full

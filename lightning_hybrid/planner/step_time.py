@@ -205,10 +205,11 @@ def elementwise_bytes(config: Qwen2Config, tp: int, sequence_parallel: bool, com
     weight multiply ``2 r h``); autocast's cast of the 5 linear inputs (``5 (r + a) h``); rotary on q and k
     (negate, concatenate, two products, a sum: ``10 a`` per element); GQA's repeat of k and v to the query heads
     (``2 a (q + kv)``); the attention output's transpose copy (``2 a q``); two residual adds (``6 r h``); SiLU and
-    the product (``5 a I``); with fused projections autocast casts 2 linear inputs (qkv, gate_up), not 5.
-    Fused kernels: each region reads its inputs and writes its outputs once: residual add + norm
-    ``2 (r + a) h`` twice, rotary ``2 a (q + kv)`` and the GQA repeat, SiLU-product ``3 a I``. ``h`` terms are
-    divided by ``tp`` under sequence parallel.
+    the product (``5 a I``); Qwen3's per-head q/k norms, an RMSNorm in fp32 on ``q + kv`` elements of the compute
+    dtype; with fused projections autocast casts 2 linear inputs (qkv, gate_up), not 5. Fused kernels: each region
+    reads its inputs and writes its outputs once: residual add + norm ``2 (r + a) h`` twice, rotary ``2 a (q + kv)``
+    (with the q/k norms inside the same region) and the GQA repeat, SiLU-product ``3 a I``. ``h`` terms are divided
+    by ``tp`` under sequence parallel.
     """
     a, r = compute, residual
     h = config.hidden_size / (tp if sequence_parallel and tp > 1 else 1)
@@ -220,7 +221,8 @@ def elementwise_bytes(config: Qwen2Config, tp: int, sequence_parallel: bool, com
         return 4 * (r + a) * h + 2 * a * (q + kv) + gqa + 3 * a * inter
     norm = 20 * h + 2 * r * h + (2 * (r + 4) * h if r < 4 else 0.0)
     casts = (2 if runtime.fused_projections else 5) * (r + a) * h if r > a else 0.0
-    return 2 * norm + casts + 10 * a * (q + kv) + gqa + 2 * a * q + 6 * r * h + 5 * a * inter
+    head_norms = (20 + 2 * a + (2 * (a + 4) if a < 4 else 0.0)) * (q + kv) if config.qk_norm else 0.0
+    return 2 * norm + casts + 10 * a * (q + kv) + gqa + 2 * a * q + 6 * r * h + 5 * a * inter + head_norms
 
 
 @dataclass(frozen=True)

@@ -1,7 +1,7 @@
-"""The Qwen2 / Qwen2.5 architecture: config and presets, single-device model, Hugging Face adapter.
+"""The Qwen2 / Qwen2.5 names of the decoder core (``Qwen2Config``, ``Qwen2``), kept for existing code.
 
 The config's names are torch-free and load at once; the model's (``Qwen2``, ``Qwen2Block``, ``parameter_init``) load
-torch on first use (PEP 562).
+torch on first use (PEP 562). The general names live in :mod:`lightning_hybrid.models.decoder`.
 """
 
 from typing import Any

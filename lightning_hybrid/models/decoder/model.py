@@ -1,0 +1,228 @@
+"""The decoder core: grouped-query attention with rotary embeddings, SwiGLU MLP, RMSNorm, configured per family.
+
+One model for Qwen2 / Qwen2.5 (q/k/v biases), Llama 3.x (llama3 rope scaling), Qwen3 (an RMSNorm on each head of q and
+k) and Mistral: the config's family decides which parts a block has (see :class:`~.config.DecoderConfig`).
+Single-device code: parallelism is applied from outside (see :meth:`Decoder.parallel_spec`). The forward pass skips
+a part that is ``None``, which is how a pipeline stage holds only its slice.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from lightning_hybrid.models.attention import CausalAttention
+from lightning_hybrid.models.decoder.config import DecoderConfig, parallel_spec
+from lightning_hybrid.models.decoder.rope import apply_rotary, rotary_at
+from lightning_hybrid.models.spec import IGNORE_INDEX, ParallelSpec
+
+__all__ = ["Decoder", "DecoderBlock", "Attention", "MLP", "RMSNorm", "build_mlp", "parameter_init", "IGNORE_INDEX"]
+
+
+def parameter_init(config: DecoderConfig, name: str) -> tuple[str, float]:
+    """How the parameter ``name`` is initialized: ``("normal", std)``, ``("ones", 0)`` or ``("zeros", 0)``.
+
+    Norm scales (block norms, the q/k norms, the final norm) start at one and biases at zero. Residual output
+    projections (``o_proj``, ``down_proj``) get std scaled by 1/sqrt(2 * layers), as in GPT-2 and torchtitan, so the
+    residual stream does not grow with depth.
+    """
+    if name.endswith("norm.weight"):
+        return "ones", 0.0
+    if name.endswith(".bias"):
+        return "zeros", 0.0
+    std = config.initializer_range
+    if name.endswith("o_proj.weight") or name.endswith("down_proj.weight"):
+        std = std / math.sqrt(2 * config.num_hidden_layers)
+    return "normal", std
+
+
+class RMSNorm(nn.Module):
+    """Root-mean-square norm over the last dimension with a learned scale, computed in fp32 like the reference."""
+
+    def __init__(self, dim: int, eps: float = 1e-6) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: Tensor) -> Tensor:
+        dtype = x.dtype
+        x = x.float()
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x.to(dtype)
+
+
+class Attention(nn.Module):
+    """Causal grouped-query attention with RoPE; q/k/v carry a bias when the config says so (Qwen2), q and k an
+    RMSNorm per head before RoPE when the family has them (Qwen3), the output projection never a bias.
+
+    The number of heads is read from the projection outputs, not from the config, so the same code
+    runs on a tensor-parallel shard that holds ``heads / tp`` query and ``kv_heads / tp`` kv heads.
+    """
+
+    def __init__(self, config: DecoderConfig) -> None:
+        super().__init__()
+        h, d = config.hidden_size, config.head_dim
+        self.head_dim = d
+        self.rope_theta = config.rope_theta
+        self.rope_scaling = config.rope_scaling
+        bias = config.attention_bias
+        self.q_proj = nn.Linear(h, config.num_attention_heads * d, bias=bias)
+        self.k_proj = nn.Linear(h, config.num_key_value_heads * d, bias=bias)
+        self.v_proj = nn.Linear(h, config.num_key_value_heads * d, bias=bias)
+        self.o_proj = nn.Linear(config.num_attention_heads * d, h, bias=False)
+        # Per-head norms act on (batch, seq, heads, head_dim): the strategy shards them over the heads dim under TP.
+        self.q_norm: Optional[RMSNorm] = RMSNorm(d, config.rms_norm_eps) if config.qk_norm else None
+        self.k_norm: Optional[RMSNorm] = RMSNorm(d, config.rms_norm_eps) if config.qk_norm else None
+        # Causal attention over the local sequence and the tokens' global positions; a strategy may replace it.
+        self.core = CausalAttention()
+
+    def _heads(self, projection: nn.Linear, norm: Optional[RMSNorm], x: Tensor) -> Tensor:
+        """(batch, heads, seq, head_dim) of one projection, normed per head first when the family norms it."""
+        batch, seq, _ = x.shape
+        out = projection(x).view(batch, seq, -1, self.head_dim)
+        if norm is not None:
+            out = norm(out)
+        return out.transpose(1, 2)
+
+    def forward(self, x: Tensor, position_ids: Optional[Tensor] = None) -> Tensor:
+        batch, seq, _ = x.shape
+        q = self._heads(self.q_proj, self.q_norm, x)
+        k = self._heads(self.k_proj, self.k_norm, x)
+        v = self._heads(self.v_proj, None, x)
+        if position_ids is None:
+            cos, sin = rotary_at(self.core.positions(seq, x.device), self.head_dim, self.rope_theta, q.dtype,
+                                 self.rope_scaling)
+            q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+            out = self.core(q, k, v)
+        else:  # packed documents: RoPE at each token's position in its document, attention within it
+            cos, sin = rotary_at(position_ids, self.head_dim, self.rope_theta, q.dtype, self.rope_scaling)
+            cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
+            q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+            out = self.core(q, k, v, position_ids=position_ids)
+        return self.o_proj(out.transpose(1, 2).reshape(batch, seq, -1))
+
+
+class MLP(nn.Module):
+    """SwiGLU: down(silu(gate(x)) * up(x)), no biases."""
+
+    def __init__(self, config: DecoderConfig) -> None:
+        super().__init__()
+        self.gate_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
+        self.up_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+def build_mlp(config: DecoderConfig, layer: int) -> nn.Module:
+    """The MLP of block ``layer``, by the config's :meth:`~.config.DecoderConfig.mlp_kind` (the one place a mixture
+    of experts layer would be chosen).
+
+    Raises:
+        ValueError: a kind this core does not build.
+    """
+    kind = config.mlp_kind(layer)
+    if kind == "dense":
+        return MLP(config)
+    raise ValueError(f"mlp kind {kind!r} of layer {layer} is not built by this decoder core; use 'dense'")
+
+
+class DecoderBlock(nn.Module):
+    """Pre-norm decoder block: x + attn(norm(x)), then + mlp(norm(.))."""
+
+    def __init__(self, config: DecoderConfig, layer: int = 0) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.self_attn = Attention(config)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.mlp = build_mlp(config, layer)
+
+    def forward(self, x: Tensor, position_ids: Optional[Tensor] = None) -> Tensor:
+        # position_ids goes by keyword: TP's input preparation of the attention module then leaves it alone.
+        x = x + self.self_attn(self.input_layernorm(x), position_ids=position_ids)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class Decoder(nn.Module):
+    """Causal language model of any family the core computes: ``Decoder(config)(input_ids)`` gives logits
+    (batch, seq, vocab).
+
+    Parameter names are the Hugging Face ones without the ``model.`` prefix
+    (``layers.57.mlp.up_proj.weight``); ``layers`` is keyed by the global block index.
+    """
+
+    def __init__(self, config: DecoderConfig) -> None:
+        super().__init__()
+        self.config = config
+        self.embed_tokens: Optional[nn.Embedding] = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleDict({str(i): DecoderBlock(config, i) for i in range(config.num_hidden_layers)})
+        self.norm: Optional[RMSNorm] = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.lm_head: Optional[nn.Linear] = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        if config.tie_word_embeddings:
+            self.lm_head.weight = self.embed_tokens.weight
+
+    def forward(self, input_ids: Tensor, position_ids: Optional[Tensor] = None) -> Tensor:
+        """Logits of ``input_ids`` (or the hidden states a pipeline stage passes on); ``position_ids`` (batch, seq)
+        restarting at 0 at each document makes every token attend only within its document."""
+        h = self.embed_tokens(input_ids) if self.embed_tokens is not None else input_ids
+        for block in self.layers.values():
+            h = block(h) if position_ids is None else block(h, position_ids=position_ids)
+        h = self.norm(h) if self.norm is not None else h
+        return self.lm_head(h) if self.lm_head is not None else h
+
+    @classmethod
+    def from_hf(cls, path: str) -> "Decoder":
+        """A plain single-process model with the weights of a Hugging Face folder or repo id (fp32, CPU); the
+        family comes from its ``config.json``.
+
+        For tests, notebooks and inference checks; training loads through ``CausalLM(init_from_hf=...)``.
+
+        Raises:
+            ValueError: the config is not supported or the weights do not match it (see
+                :func:`lightning_hybrid.models.decoder.hf.load_hf_weights`).
+        """
+        from lightning_hybrid.hub import resolve_hf_path
+        from lightning_hybrid.models.decoder.hf import load_hf_weights
+
+        folder = resolve_hf_path(path)
+        config = DecoderConfig.from_hf(folder)
+        with torch.device("meta"):
+            model = cls(config)
+        model.to_empty(device="cpu")
+        if config.tie_word_embeddings:  # to_empty breaks the tie; restore it
+            model.lm_head.weight = model.embed_tokens.weight
+        load_hf_weights(model, folder, config)
+        return model
+
+    def num_parameters(self, include_embedding: bool = True) -> int:
+        """Number of distinct parameters held by this module (tied weights counted once; works on meta)."""
+        seen: dict[int, int] = {}
+        for name, p in self.named_parameters():
+            if not include_embedding and (name.startswith("embed_tokens.") or name.startswith("lm_head.")):
+                continue
+            seen[id(p)] = p.numel()
+        return sum(seen.values())
+
+    @staticmethod
+    def loss_sum(logits: Tensor, labels: Tensor) -> tuple[Tensor, Tensor]:
+        """Sum of next-token cross-entropy over label tokens (``-100`` ignored) and the number of them.
+
+        The caller divides by the token count of the *global* batch, which is how the loss stays the
+        mean over all label tokens whatever the mesh and micro-batching.
+        """
+        loss = F.cross_entropy(logits.flatten(0, -2).float(), labels.flatten(), ignore_index=IGNORE_INDEX,
+                               reduction="sum")
+        return loss, (labels != IGNORE_INDEX).sum()
+
+    def parameter_init(self, name: str) -> tuple[str, float]:
+        """How the parameter ``name`` is initialized (see :func:`parameter_init`)."""
+        return parameter_init(self.config, name)
+
+    def parallel_spec(self) -> ParallelSpec:
+        """Parts, TP plan and relative costs of this model (see :func:`~.config.parallel_spec`)."""
+        return parallel_spec(self.config)
