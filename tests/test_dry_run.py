@@ -214,12 +214,13 @@ def test_72b_recipe_dry_runs_fit_and_match_the_planner(report_72b) -> None:
 
 @pytest.mark.slow
 @pytest.mark.timeout(1500)  # the fixture's first use traces a 72B rank per stage
-def test_72b_recipe_transient_bytes_are_within_the_planners_tolerance(report_72b) -> None:
+def test_72b_recipe_peak_and_transient_bytes_are_within_10_percent_of_the_planner(report_72b) -> None:
     recipe, report, _ = report_72b
     for role in report["roles"]:
         # MemTracker's "activations" include FSDP2's gathered parameters, which the planner lists apart: everything
-        # but the model state is held against the planner's stated 20% tolerance.
-        assert abs(role["ratio"]["transient"] - 1) <= 0.2, (recipe, role["ranks"], role["ratio"])
+        # but the model state, and the total, are held against the planner within 10% (issue #49)
+        for figure in ("transient", "total"):
+            assert abs(role["ratio"][figure] - 1) <= 0.1, (recipe, role["ranks"], figure, role["ratio"])
 
 
 @pytest.mark.slow
