@@ -279,10 +279,11 @@ class ParallelOptions:
         return default_microbatches(self.pp_schedule, self.pp, self.virtual_stages)
 
     def is_bare(self) -> bool:
-        """No size was given: ``tp``, ``dp``, ``tensor_parallel_size``, ``data_parallel_size``, ``pp`` and ``cp`` at
-        their defaults (a bare ``HybridParallelStrategy()``; see :mod:`~lightning_hybrid.distributed.default_mesh`)."""
+        """No size was given: ``tp``, ``dp``, ``tensor_parallel_size``, ``data_parallel_size``, ``pp``, ``cp`` and
+        ``ep`` at their defaults (a bare ``HybridParallelStrategy()``; see
+        :mod:`~lightning_hybrid.distributed.default_mesh`)."""
         return (self.tp == 1 and self.dp is None and self.tensor_parallel_size is None
-                and self.data_parallel_size is None and self.pp == 1 and self.cp == 1)
+                and self.data_parallel_size is None and self.pp == 1 and self.cp == 1 and self.ep == 1)
 
     def sizes(self, world_size: int, devices_per_node: Optional[int],
               self_parallel: bool = False) -> tuple[int, Optional[int]]:
