@@ -80,14 +80,18 @@ _SCALAR = 4  # a float32 loss statistic
 _NORM_SQUARED = 8  # the float64 squared gradient norm
 
 
-def tp_all_reduce_equivalents(sequence_parallel: bool) -> tuple[float, float]:
+def tp_all_reduce_equivalents(sequence_parallel: bool, sparse: bool = False) -> tuple[float, float]:
     """TP traffic of one block and micro-batch in all-reduces of the residual stream (an all-gather and a
     reduce-scatter make one): (forward and backward, added by a replayed forward). The planner's time model uses it.
 
     Without sequence parallel 2 + 5 (the colwise projections' input gradients, one by one) and 1 replayed (the
     down projection's, after the last saved tensor, is not); with it 4 pairs, and 2 all-gathers and 1
-    reduce-scatter replayed.
+    reduce-scatter replayed. A sparse block (``sparse``: a mixture of experts, whole on every tp rank) has the
+    attention half's only (1 + 3 without sequence parallel, 1 replayed), plus under sequence parallel the experts'
+    input all-gather and their output gradient's all-gather (2 pairs + 2 all-gathers, 1.5 replayed).
     """
+    if sparse:
+        return (3.0, 1.5) if sequence_parallel else (1.0 + COLWISE_PER_BLOCK - 2, 1.0)
     return (4.0, 1.5) if sequence_parallel else (2.0 + COLWISE_PER_BLOCK, 1.0)
 
 

@@ -42,14 +42,17 @@ link_efficiency``.
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
-from typing import Optional
+from typing import TYPE_CHECKING, Optional
 
 from lightning_hybrid.hardware import GPU, NETWORK_LATENCY_S, NVLINK_LATENCY_S
 from lightning_hybrid.models.qwen2.config import Qwen2Config
 
+if TYPE_CHECKING:
+    from lightning_hybrid.planner.layout import Problem
+
 __all__ = ["Hardware", "Runtime", "TimeModel", "SELECTIVE_POLICIES", "collective_seconds", "gemm_efficiency",
-           "block_gemms", "elementwise_bytes", "GEMM_PEAK_EFFICIENCY", "GEMM_KNEE", "TP_OVERLAP_EXPOSED",
-           "ATTENTION_EFFICIENCY", "HBM_EFFICIENCY", "ELEMENTWISE_BACKWARD", "FLOAT8_GEMM_EFFICIENCY"]
+           "block_gemms", "elementwise_bytes", "gemm_seconds", "hbm_seconds", "GEMM_PEAK_EFFICIENCY", "GEMM_KNEE",
+           "TP_OVERLAP_EXPOSED", "ATTENTION_EFFICIENCY", "HBM_EFFICIENCY", "ELEMENTWISE_BACKWARD", "FLOAT8_GEMM_EFFICIENCY"]
 
 # ----------------------------------------------------------------------------- constants
 # Fitted on the published runs of benchmarks/planner_published.py (least squares on log MFU; the leave-one-out
@@ -197,7 +200,7 @@ def block_gemms(config: Qwen2Config, tp: int, fused: bool = False) -> dict[str, 
 
 
 def elementwise_bytes(config: Qwen2Config, tp: int, sequence_parallel: bool, compute: int, residual: int,
-                      runtime: Runtime) -> float:
+                      runtime: Runtime, mlp: bool = True) -> float:
     """Bytes the elementwise ops of one block move per token in forward, on one TP rank.
 
     Eager (this project's model, op by op, reads + writes): each RMSNorm in fp32 (square, mean, scale, weight:
@@ -209,13 +212,15 @@ def elementwise_bytes(config: Qwen2Config, tp: int, sequence_parallel: bool, com
     dtype; with fused projections autocast casts 2 linear inputs (qkv, gate_up), not 5. Fused kernels: each region
     reads its inputs and writes its outputs once: residual add + norm ``2 (r + a) h`` twice, rotary ``2 a (q + kv)``
     (with the q/k norms inside the same region) and the GQA repeat, SiLU-product ``3 a I``. ``h`` terms are divided
-    by ``tp`` under sequence parallel.
+    by ``tp`` under sequence parallel. ``mlp=False``: a mixture of experts' sparse block, whose SiLU-products are the
+    expert path's (:func:`~lightning_hybrid.planner.experts.expert_elementwise_bytes`; the router's input is cast in
+    place of gate/up's).
     """
     a, r = compute, residual
     h = config.hidden_size / (tp if sequence_parallel and tp > 1 else 1)
     q = config.num_attention_heads * config.head_dim / tp
     kv = config.num_key_value_heads * config.head_dim / tp
-    inter = config.intermediate_size / tp
+    inter = config.intermediate_size / tp if mlp else 0.0
     gqa = 2 * a * (q + kv) if config.num_attention_heads > config.num_key_value_heads else 0.0
     if runtime.fused_elementwise:
         return 4 * (r + a) * h + 2 * a * (q + kv) + gqa + 3 * a * inter
@@ -309,11 +314,35 @@ class Hardware:
 def collective_seconds(kind: str, nbytes: float, ranks: int, bus_bandwidth: float, latency: float) -> float:
     """Time of one collective over ``ranks`` with nccl-tests' bus-bandwidth factors.
 
-    ``nbytes`` is the buffer nccl-tests calls the size: the all-reduce buffer, the all-gather output or
-    the reduce-scatter input. ``p2p`` moves ``nbytes`` one way.
+    ``nbytes`` is the buffer nccl-tests calls the size: the all-reduce buffer, the all-gather output,
+    the reduce-scatter input, one rank's all-to-all send buffer. ``p2p`` moves ``nbytes`` one way.
     """
     if ranks <= 1 or nbytes <= 0:
         return 0.0
+    # all_to_all: ``nbytes`` is one rank's send buffer, of which (n - 1) / n leave it (nccl-tests' alltoall busbw)
     factor = {"all_reduce": 2 * (ranks - 1) / ranks, "all_gather": (ranks - 1) / ranks,
-              "reduce_scatter": (ranks - 1) / ranks, "p2p": 1.0}[kind]
+              "reduce_scatter": (ranks - 1) / ranks, "all_to_all": (ranks - 1) / ranks, "p2p": 1.0}[kind]
     return latency + nbytes * factor / bus_bandwidth
+
+
+def gemm_seconds(problem: "Problem", tokens: float, k: int, n: int, float8: bool = False) -> float:
+    """Forward and backward of a ``tokens x k`` by ``k x n`` matmul: ``6 tokens k n`` FLOPs at its efficiency (a
+    float8 block GEMM at the fp8 peak and the recipe's efficiency).
+
+    Raises:
+        ValueError: float8 on a GPU whose table lists no fp8 peak.
+    """
+    hw, recipe = problem.hw, problem.runtime.float8
+    if float8 and recipe is not None:
+        peak = problem.time_model.float8_efficiency or FLOAT8_GEMM_EFFICIENCY[recipe]
+        if hw.gpu.peak.fp8 is None:
+            raise ValueError(f"GPU {hw.gpu.name} lists no fp8 peak; plan it without float8")
+        efficiency = gemm_efficiency(peak, problem.time_model.gemm_knee, tokens, k, n)
+        return 6 * tokens * k * n / (hw.gpu.peak.fp8 * efficiency)
+    efficiency = gemm_efficiency(hw.compute_efficiency, problem.time_model.gemm_knee, tokens, k, n)
+    return 6 * tokens * k * n / (hw.peak_flops(problem.precision) * efficiency)
+
+
+def hbm_seconds(problem: "Problem", nbytes: float) -> float:
+    """Seconds to move ``nbytes`` through HBM at ``TimeModel.hbm_efficiency`` of its bandwidth."""
+    return nbytes / (problem.hw.gpu.hbm_tbs * 1e12 * problem.time_model.hbm_efficiency)

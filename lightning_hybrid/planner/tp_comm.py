@@ -53,6 +53,9 @@ def tp_block_seconds(problem: Problem, layout: Layout, nbytes: float, all_reduce
     gathers_fuse = problem.runtime.float8 in (None, "tensorwise")
     exposed = 0.0
     for i, group in enumerate(TP_GEMM_GROUPS["qkv" in gemms]):
+        if any(name not in gemms for name in group):  # a sparse block's experts: one all-gather each way, unfused
+            exposed += half
+            continue
         hidden = max(half - sum(gemms[name] for name in group) / 3, floor * half)
         gather = hidden if gathers_fuse else half
         # the input gradient of several matmuls (unfused q/k/v, gate/up) is their sum, which no single matmul
