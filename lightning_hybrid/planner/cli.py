@@ -11,13 +11,13 @@ from typing import Optional
 from lightning_hybrid.hardware import SYSTEM_GPUS
 from lightning_hybrid.models.decoder.config import active_parameters
 from lightning_hybrid.models.qwen2.config import PRESETS, Qwen2Config
+from lightning_hybrid.planner.experts import is_moe
 from lightning_hybrid.planner.interval import (
     DEFAULT_GPU_MTBF_HOURS,
     DEFAULT_RESTART_SECONDS,
     DEFAULT_STORAGE_GBPS,
     checkpoint_plan,
 )
-from lightning_hybrid.planner.experts import is_moe
 from lightning_hybrid.planner.layout import Estimate, Problem
 from lightning_hybrid.planner.memory import OPTIMIZERS, PRECISIONS
 from lightning_hybrid.planner.recipe_cli import (
@@ -227,7 +227,8 @@ def run_plan(argv: Optional[list[str]] = None) -> int:
                                      args.mtbf_hours, restart_seconds=args.restart_seconds)
     if args.json:
         doc = {"model": p.config.to_dict(), "parameters": p.config.num_parameters(),
-               "active_parameters": active_parameters(p.config), "gpus": p.hw.gpus, "gpus_per_node": gpn, "gpu": gpu_figures(p.hw.gpu),
+               "active_parameters": active_parameters(p.config), "gpus": p.hw.gpus, "gpus_per_node": gpn,
+               "gpu": gpu_figures(p.hw.gpu),
                "seq_len": p.seq_len, "global_batch": p.global_batch, "precision": p.precision,
                "optimizer": p.optimizer, "assumptions": assumptions(p),
                "layouts": [e.to_dict() for e in feasible], "feasible_count": len(feasible),

@@ -52,7 +52,8 @@ if TYPE_CHECKING:
 
 __all__ = ["Hardware", "Runtime", "TimeModel", "SELECTIVE_POLICIES", "collective_seconds", "gemm_efficiency",
            "block_gemms", "elementwise_bytes", "gemm_seconds", "hbm_seconds", "GEMM_PEAK_EFFICIENCY", "GEMM_KNEE",
-           "TP_OVERLAP_EXPOSED", "ATTENTION_EFFICIENCY", "HBM_EFFICIENCY", "ELEMENTWISE_BACKWARD", "FLOAT8_GEMM_EFFICIENCY"]
+           "TP_OVERLAP_EXPOSED", "ATTENTION_EFFICIENCY", "HBM_EFFICIENCY", "ELEMENTWISE_BACKWARD",
+           "FLOAT8_GEMM_EFFICIENCY"]
 
 # ----------------------------------------------------------------------------- constants
 # Fitted on the published runs of benchmarks/planner_published.py (least squares on log MFU; the leave-one-out
