@@ -219,12 +219,13 @@ def parallelize_held(host: "StrategyHost", precision: str, log: Optional[Callabl
     module, options, dims = host.lightning_module, host.options, host.dims
     found = check_held_models(module, options, dims, final=True)
     for name, model in found:
+        label = _label(name, model)  # before FSDP2 renames its class
         _broadcast_weights(model)
         host.precision_plugin.convert_module(model)
         _parallelize_one(model, options, dims, host.device_mesh, precision)
         if log is not None:
             tp = f"its own tp plan over tp={dims.tp}" if dims.tp > 1 else "tp=1"
             dp = f"{options.data_parallel} over dp={dims.dp}" if dims.dp > 1 else "dp=1"
-            log(f"{_label(name, model)} held as it is: {tp}, {dp}, activation_checkpointing="
+            log(f"{label} held as it is: {tp}, {dp}, activation_checkpointing="
                 f"{options.activation_checkpointing!r} per decoder layer")
     return [name for name, _ in found]

@@ -1,0 +1,388 @@
+"""Models the user brings: a decoder of their own (docs/custom-models.md) and a Hugging Face model held as it is
+(docs/huggingface.md), trained by ``HybridParallelStrategy`` like one process.
+
+The decoder below is the guide's, defined here with its own names (``tok_emb``, ``h``, ``ln_f``, ``out``, separate
+``wq/wk/wv/wo``, ``ffn.w1/w2/w3``) and its own LightningModule; the guide holds this very code (a test below checks
+it, and runs the guide's snippets). ``HeldLlama`` is a user's LightningModule around
+``AutoModelForCausalLM.from_pretrained`` that computes the loss from the model's logits and holds no parallelism code.
+
+One launch of 4 forked processes (``user_models_worker.py``) trains: the decoder on tp=2 x pp=2 (sequence parallel)
+and on cp=2 x tp=2, ``HeldLlama`` on tp=2 x dp=2 (recompute per decoder layer); rank 0 then trains both on one
+process with Lightning's default strategy. Every run: 5 optimizer steps, fp32.
+"""
+
+from __future__ import annotations
+
+import inspect
+import math
+import re
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Optional, Sequence, Union
+
+import lightning as L
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+from torch.utils.data import DataLoader
+
+from lightning_hybrid import HybridParallelStrategy
+from lightning_hybrid.init_weights import init_parameters
+from lightning_hybrid.models.attention import CausalAttention
+from lightning_hybrid.models.causal_lm import builds_declared_models, declared_runner, global_token_loss
+from lightning_hybrid.models.spec import IGNORE_INDEX, ParallelSpec
+
+GUIDE = Path(__file__).resolve().parents[1] / "docs" / "custom-models.md"
+STEPS = 5
+
+
+# ------------------------------------------------------------------------------------------------ the user's decoder
+
+@dataclass(frozen=True)
+class TinyConfig:
+    vocab: int = 256
+    dim: int = 64
+    n_layers: int = 4
+    n_heads: int = 4
+    n_kv_heads: int = 2
+    ffn_dim: int = 128
+    rope_theta: float = 10000.0
+    eps: float = 1e-5
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps))
+
+
+def rotate(x: Tensor, positions: Tensor, theta: float) -> Tensor:
+    """RoPE on (batch, heads, seq, head_dim), pairs (2i, 2i+1), at ``positions`` (seq,) or (batch, seq)."""
+    half = x.shape[-1] // 2
+    freqs = theta ** (-torch.arange(half, device=x.device, dtype=torch.float32) / half)
+    angles = positions.float().unsqueeze(-1) * freqs
+    if angles.dim() == 3:  # per-document positions (batch, seq, half): one table per row
+        angles = angles.unsqueeze(1)
+    cos, sin = angles.cos(), angles.sin()
+    even, odd = x[..., 0::2], x[..., 1::2]
+    return torch.stack([even * cos - odd * sin, even * sin + odd * cos], dim=-1).flatten(-2)
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: TinyConfig) -> None:
+        super().__init__()
+        self.head_dim, self.theta = cfg.dim // cfg.n_heads, cfg.rope_theta
+        self.wq = nn.Linear(cfg.dim, cfg.n_heads * self.head_dim, bias=False)
+        self.wk = nn.Linear(cfg.dim, cfg.n_kv_heads * self.head_dim, bias=False)
+        self.wv = nn.Linear(cfg.dim, cfg.n_kv_heads * self.head_dim, bias=False)
+        self.wo = nn.Linear(cfg.n_heads * self.head_dim, cfg.dim, bias=False)
+        self.core = CausalAttention()  # the strategy swaps it for ring attention under cp
+
+    def forward(self, x: Tensor, position_ids: Optional[Tensor] = None) -> Tensor:
+        b, s, _ = x.shape
+        # heads counted from the projections' outputs: a TP rank holds heads / tp of them
+        q = self.wq(x).view(b, s, -1, self.head_dim).transpose(1, 2)
+        k = self.wk(x).view(b, s, -1, self.head_dim).transpose(1, 2)
+        v = self.wv(x).view(b, s, -1, self.head_dim).transpose(1, 2)
+        # global positions of the tokens this rank holds (cp), or each token's place in its document
+        positions = self.core.positions(s, x.device) if position_ids is None else position_ids
+        q, k = rotate(q, positions, self.theta), rotate(k, positions, self.theta)
+        out = self.core(q, k, v, position_ids=position_ids)
+        return self.wo(out.transpose(1, 2).reshape(b, s, -1))
+
+
+class FeedForward(nn.Module):
+    def __init__(self, cfg: TinyConfig) -> None:
+        super().__init__()
+        self.w1 = nn.Linear(cfg.dim, cfg.ffn_dim, bias=False)
+        self.w3 = nn.Linear(cfg.dim, cfg.ffn_dim, bias=False)
+        self.w2 = nn.Linear(cfg.ffn_dim, cfg.dim, bias=False)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.w2(F.silu(self.w1(x)) * self.w3(x))
+
+
+class Block(nn.Module):
+    def __init__(self, cfg: TinyConfig) -> None:
+        super().__init__()
+        self.attn_norm, self.attn = RMSNorm(cfg.dim, cfg.eps), Attention(cfg)
+        self.ffn_norm, self.ffn = RMSNorm(cfg.dim, cfg.eps), FeedForward(cfg)
+
+    def forward(self, x: Tensor, position_ids: Optional[Tensor] = None) -> Tensor:
+        # position_ids by keyword: the strategy's input layouts touch only the first positional input
+        x = x + self.attn(self.attn_norm(x), position_ids=position_ids)
+        return x + self.ffn(self.ffn_norm(x))
+
+
+class TinyDecoder(nn.Module):
+    def __init__(self, cfg: TinyConfig) -> None:
+        super().__init__()
+        self.cfg = cfg
+        self.tok_emb: Optional[nn.Embedding] = nn.Embedding(cfg.vocab, cfg.dim)
+        self.h = nn.ModuleDict({str(i): Block(cfg) for i in range(cfg.n_layers)})  # keyed by global index
+        self.ln_f: Optional[RMSNorm] = RMSNorm(cfg.dim, cfg.eps)
+        self.out: Optional[nn.Linear] = nn.Linear(cfg.dim, cfg.vocab, bias=False)
+
+    def forward(self, input_ids: Tensor, position_ids: Optional[Tensor] = None) -> Tensor:
+        # A pipeline stage holds some blocks and maybe the ends: a part that is None is skipped, and a stage
+        # without the embedding receives the previous stage's hidden states in place of input_ids.
+        x = self.tok_emb(input_ids) if self.tok_emb is not None else input_ids
+        for block in self.h.values():
+            x = block(x, position_ids=position_ids)
+        x = self.ln_f(x) if self.ln_f is not None else x
+        return self.out(x) if self.out is not None else x
+
+    @staticmethod
+    def loss_sum(logits: Tensor, labels: Tensor) -> tuple[Tensor, Tensor]:
+        """Cross-entropy summed over the label tokens, and their number (the strategy divides by the global one)."""
+        loss = F.cross_entropy(logits.flatten(0, -2).float(), labels.flatten(), ignore_index=IGNORE_INDEX,
+                               reduction="sum")
+        return loss, (labels != IGNORE_INDEX).sum()
+
+    def parameter_init(self, name: str) -> tuple[str, float]:
+        """How the parameter ``name`` (global) starts: ``("normal", std)``, ``("ones", 0)`` or ``("zeros", 0)``."""
+        if name.endswith("norm.weight") or name == "ln_f.weight":
+            return "ones", 0.0
+        if name.endswith(("wo.weight", "w2.weight")):  # residual outputs: scaled by depth
+            return "normal", 0.02 / math.sqrt(2 * self.cfg.n_layers)
+        return "normal", 0.02
+
+
+def tiny_decoder_spec(cfg: TinyConfig) -> ParallelSpec:
+    return ParallelSpec(
+        embedding="tok_emb", blocks="h", norm="ln_f", head="out",
+        block_plan={"attn.wq": "colwise", "attn.wk": "colwise", "attn.wv": "colwise", "attn.wo": "rowwise",
+                    "ffn.w1": "colwise", "ffn.w3": "colwise", "ffn.w2": "rowwise"},
+        block_norms=("attn_norm", "ffn_norm"),        # sharded on the sequence under sequence parallel
+        block_norm_consumers=("attn", "ffn"),         # their input gathered back to the whole sequence
+        block_attention="attn", attention_core="core",
+        tp_divisible={"n_heads": cfg.n_heads, "n_kv_heads": cfg.n_kv_heads},
+    )
+
+
+class TinyDecoderLM(L.LightningModule):
+    def __init__(self, cfg: TinyConfig = TinyConfig(), lr: float = 1e-3, seed: int = 0) -> None:
+        super().__init__()
+        self.cfg, self.lr, self.seed = cfg, lr, seed
+        self.model: Optional[TinyDecoder] = None
+
+    # What the strategy asks before it builds the model.
+    def parallel_spec(self) -> ParallelSpec:
+        return tiny_decoder_spec(self.cfg)
+
+    def num_blocks(self) -> int:
+        return self.cfg.n_layers
+
+    def init_seed(self) -> int:
+        return self.seed
+
+    def configure_model(self) -> None:
+        if self.model is not None:
+            return
+        with torch.device("meta"):  # HybridParallelStrategy shards it before any weight is allocated
+            model = TinyDecoder(self.cfg)
+        if not builds_declared_models(self):  # any other strategy: allocate and initialize it here
+            model.to_empty(device=self.device)
+            init_parameters(model, self.seed, model.parameter_init)
+        self.model = model
+
+    def training_step(self, batch: Any, batch_idx: int) -> Tensor:
+        input_ids, labels = batch
+        loss, mean, _ = global_token_loss(self, input_ids, labels, train=True)
+        self.log("train_loss", mean)
+        return loss
+
+    def optimizer_zero_grad(self, epoch: int, batch_idx: int, optimizer: Any) -> None:
+        # Under a pipeline the schedule computes the gradients inside training_step; the strategy zeroes them.
+        if declared_runner(self) is None:
+            super().optimizer_zero_grad(epoch, batch_idx, optimizer)
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.AdamW(self.parameters(), lr=self.lr, weight_decay=0.0, eps=1e-6)
+
+
+def train(strategy: Union[str, HybridParallelStrategy], devices: int, data: DataLoader, max_steps: int = 5,
+          callbacks: Sequence[L.Callback] = (), seed: int = 1234) -> TinyDecoderLM:
+    L.seed_everything(seed)  # also the seed of the shuffling DistributedSampler Lightning gives `data`
+    module = TinyDecoderLM(seed=seed)
+    trainer = L.Trainer(strategy=strategy, devices=devices, accelerator="cpu", max_steps=max_steps, logger=False,
+                        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+                        callbacks=list(callbacks))
+    trainer.fit(module, train_dataloaders=data)
+    return module
+
+
+# ------------------------------------------------------------------------------------------------ a held HF model
+
+class HeldLlama(L.LightningModule):
+    """A user's module around a transformers model, as written for one device: no parallelism code."""
+
+    def __init__(self, path: str, lr: float = 1e-3) -> None:
+        super().__init__()
+        self.path, self.lr = path, lr
+        self.model: Optional[nn.Module] = None
+
+    def configure_model(self) -> None:
+        from transformers import AutoModelForCausalLM
+
+        if self.model is None:
+            self.model = AutoModelForCausalLM.from_pretrained(self.path, dtype=torch.float32).train()
+
+    def training_step(self, batch: Any, batch_idx: int) -> Tensor:
+        input_ids, labels = batch
+        logits = self.model(input_ids=input_ids).logits
+        loss = F.cross_entropy(logits.flatten(0, 1), labels.flatten())
+        self.log("train_loss", loss, sync_dist=True)
+        return loss
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.AdamW(self.parameters(), lr=self.lr, weight_decay=0.0, eps=1e-6)
+
+
+def tiny_llama(folder: Path, **overrides: Any) -> Path:
+    """A random tiny ``LlamaForCausalLM`` (transformers' own classes, fp32) saved with ``save_pretrained``."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    values = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                  num_key_value_heads=2, max_position_embeddings=64, tie_word_embeddings=False)
+    torch.manual_seed(3)
+    LlamaForCausalLM(LlamaConfig(**{**values, **overrides})).save_pretrained(folder)
+    return folder
+
+
+# ------------------------------------------------------------------------------------------------ the launch
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory) -> dict:
+    from helpers.launch import TESTS, launch
+
+    out = tmp_path_factory.mktemp("user_models")
+    launch(4, [str(TESTS / "user_models_worker.py"), str(out)], timeout=400)
+    return torch.load(out / "records.pt", weights_only=False)
+
+
+distributed = pytest.mark.timeout(420)
+
+
+@distributed
+def test_own_decoder_on_tp2_pp2_with_sequence_parallel_trains_like_one_process(runs):
+    from helpers.compare import assert_trains_like
+
+    assert_trains_like(runs["decoder_tp2_pp2"], runs["decoder_reference"], same_initial_weights=True, steps=STEPS)
+
+
+@distributed
+def test_own_decoder_on_cp2_tp2_trains_like_one_process(runs):
+    from helpers.compare import assert_trains_like
+
+    assert_trains_like(runs["decoder_cp2_tp2"], runs["decoder_reference"], same_initial_weights=True, steps=STEPS)
+
+
+@distributed
+def test_held_llama_on_tp2_dp2_with_recompute_trains_like_one_process(runs):
+    from helpers.compare import assert_trains_like
+
+    record = runs["llama_tp2_dp2"]
+    assert_trains_like(record, runs["llama_reference"], same_initial_weights=True, steps=STEPS)
+    # what the strategy applied on every rank: the model's own plan over tp, FSDP2 units over dp, recompute
+    for rank in record["applied"]:  # 7 linears in each of 2 layers, the embedding and the head; 2 layers + the root
+        assert rank == {"sharded_by_tp": 16, "fsdp_units": 3, "recomputed": 2}, record["applied"]
+    assert record["log"] == ["LlamaForCausalLM (model) held as it is: its own tp plan over tp=2, fsdp over dp=2, "
+                             "activation_checkpointing='full' per decoder layer"], record["log"]
+
+
+# ------------------------------------------------------------------------------------------------ one process
+
+def guide_blocks() -> list[str]:
+    return re.findall(r"```python\n(.*?)```", GUIDE.read_text(), flags=re.S)
+
+
+def test_the_guide_holds_the_tested_decoder_and_its_snippets_run():
+    code = "\n".join(guide_blocks())
+    for obj in (TinyConfig, RMSNorm, rotate, Attention, FeedForward, Block, TinyDecoder, tiny_decoder_spec,
+                TinyDecoderLM, train):
+        assert inspect.getsource(obj) in code, f"docs/custom-models.md does not show the tested {obj.__name__}"
+    namespace: dict[str, Any] = {"__name__": "guide"}
+    for block in guide_blocks():
+        exec(compile(block, str(GUIDE), "exec"), namespace)  # every snippet runs, in the guide's order
+    assert isinstance(namespace["TinyDecoderLM"]().parallel_spec(), ParallelSpec)
+
+
+def test_own_decoder_masks_documents_and_counts_global_positions_on_one_process():
+    torch.manual_seed(0)
+    model = TinyDecoder(TinyConfig())
+    first, second = torch.randint(0, 256, (1, 5)), torch.randint(0, 256, (1, 7))
+    packed = torch.cat([first, second], dim=1)
+    positions = torch.cat([torch.arange(5), torch.arange(7)]).unsqueeze(0)
+    with torch.no_grad():
+        logits = model(packed, position_ids=positions)
+        alone = torch.cat([model(first), model(second)], dim=1)
+    assert torch.allclose(logits, alone, atol=1e-5) and not torch.allclose(model(packed), alone, atol=1e-3)
+
+
+def test_a_declared_module_without_num_blocks_or_init_seed_is_refused_in_one_line():
+    from lightning_hybrid.models.spec import declared_spec
+
+    class NoBlocks(TinyDecoderLM):
+        num_blocks = None
+
+    with pytest.raises(TypeError, match=r"^NoBlocks declares parallel_spec\(\) but has no num_blocks\(\); a declared "
+                                        r"LightningModule also needs num_blocks\(\), init_seed\(\)") as caught:
+        declared_spec(NoBlocks())
+    assert "\n" not in str(caught.value)
+
+
+# ------------------------------------------------------------------------------------------------ held models: errors
+
+def _checked(module: L.LightningModule, devices: int = 4, **kwargs: Any) -> HybridParallelStrategy:
+    """The strategy after its setup-time checks (no process group) for ``module`` on ``devices`` processes."""
+    strategy = HybridParallelStrategy(**kwargs)
+    strategy._lightning_module = module
+    strategy._parallel_devices = [torch.device("cpu")] * devices
+    strategy.num_nodes = 1
+    strategy._validate()
+    return strategy
+
+
+def _holding(folder: Path) -> HeldLlama:
+    module = HeldLlama(str(folder))
+    module.configure_model()  # made in __init__ or before fit: checked before any process group exists
+    return module
+
+
+def test_a_held_model_whose_heads_tp_does_not_divide_is_refused_naming_the_field_and_what_fits(tmp_path):
+    module = _holding(tiny_llama(tmp_path / "llama", num_key_value_heads=1))
+    with pytest.raises(ValueError, match=r"^LlamaForCausalLM \(model\): tp=2 does not divide "
+                                         r"LlamaConfig.num_key_value_heads=1; use tp in 1$"):
+        _checked(module, tp=2, dp=2)
+    with pytest.raises(ValueError, match=r"^LlamaForCausalLM \(model\): tp=4 does not divide "
+                                         r"LlamaConfig.num_key_value_heads=2; use tp in 1 or 2$"):
+        _checked(_holding(tiny_llama(tmp_path / "llama2")), tp=4)
+
+
+def test_held_models_refuse_what_they_cannot_run_in_one_line(tmp_path):
+    module = _holding(tiny_llama(tmp_path / "llama"))
+    with pytest.raises(ValueError, match=r"^pp=2 needs a LightningModule that declares its model parts and loss .* "
+                                         r"\(a Hugging Face model held as it is trains with tp and dp only\)$"):
+        _checked(module, pp=2, tp=2)
+    with pytest.raises(ValueError, match=r"^sequence_parallel=True needs a declared model .* use sequence_parallel="):
+        _checked(module, tp=2, dp=2, sequence_parallel=True)
+    with pytest.raises(ValueError, match=r"^cp=2 needs a model that declares its attention"):
+        _checked(module, cp=2, tp=2)
+    module.model.tp_plan = {**module.model.tp_plan, "model.layers.*.mlp.gate_proj": "packed_colwise"}
+    with pytest.raises(ValueError, match=r"^the tp plan of LlamaForCausalLM \(model\) uses 'packed_colwise' "
+                                         r"\(model.layers.\*.mlp.gate_proj: packed_colwise\), which "
+                                         r"HybridParallelStrategy does not train; supported: colwise, rowwise"):
+        _checked(module, tp=2, dp=2)
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    meta = HeldLlama(str(tmp_path / "llama"))
+    with torch.device("meta"):  # from_config on meta: no weights to shard
+        meta.model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(tmp_path / "llama"))
+    with pytest.raises(ValueError, match=r"^LlamaForCausalLM \(model\) is on the meta device; .*models.CausalLM"):
+        _checked(meta, tp=2, dp=2)
