@@ -27,6 +27,8 @@ Wrappers (in ``lightning_hybrid.distributed``) and the private APIs they use:
 - ``checkpoint.staging.tie_writer_to_parent``: ``torch.distributed.checkpoint._async_process_executor``'s
   ``_AsyncCheckpointProcess._checkpointing_subprocess`` (a static method of ``(pg_init_info, parent_conn)``, the
   target of the writer daemon that ``__init__`` spawns);
+- ``hf_transformers.tensor_parallel_plan``: transformers' ``PreTrainedModel._expand_parallel_plan`` (a plan's ``*``
+  replaced by the layer numbers, a parameter's entry before its module's: what ``apply_tensor_parallelism`` takes);
 - ``lightning_hybrid.distributed.auto_layout._data``: Lightning's ``trainer.fit_loop._data_source.instance`` (the
   DataLoader given to ``fit``, before Lightning sets it up), read by the auto layout.
 
@@ -74,6 +76,7 @@ REWIND = "lightning_hybrid.callbacks.rollback._rewind"
 FSSPEC_WRITER = "lightning_hybrid.checkpoint.storage.storage_writer"
 FORGET_STAGE_SHAPES = "lightning_hybrid.distributed.pipeline.runner.forget_stage_shapes"
 WRITER_DAEMON = "lightning_hybrid.checkpoint.staging.tie_writer_to_parent"
+HF_TP_PLAN = "lightning_hybrid.distributed.hf_transformers.tensor_parallel_plan"
 
 
 def broken(wrapper: str, what: str) -> str:
@@ -548,3 +551,22 @@ def test_the_process_writer_daemon_is_spawned_with_a_static_target_of_two_argume
     takes(original, ["pg_init_info", "parent_conn"], WRITER_DAEMON)
     spawned = inspect.getsource(process.__init__)
     assert "target=self._checkpointing_subprocess" in spawned, broken(WRITER_DAEMON, "the daemon's target changed")
+
+
+# ---------------------------------------------------------------------------------- transformers' plan expansion
+
+def test_transformers_expands_a_tp_plan_per_layer_with_parameters_before_their_module():
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from lightning_hybrid.distributed.hf_transformers import tensor_parallel_plan
+
+    config = LlamaConfig(vocab_size=32, hidden_size=16, intermediate_size=32, num_hidden_layers=2,
+                         num_attention_heads=2, num_key_value_heads=2, tie_word_embeddings=True)
+    model = LlamaForCausalLM(config)
+    with blame(HF_TP_PLAN):
+        plan = tensor_parallel_plan(model)
+    names = list(plan)
+    assert plan["model.layers.1.mlp.down_proj.weight"] == plan["model.layers.1.mlp.down_proj"] == "rowwise", plan
+    assert names.index("model.embed_tokens.weight") < names.index("model.embed_tokens"), names
+    assert plan["model.embed_tokens.weight"] == "embedding_rowwise" and "lm_head.weight" not in plan, plan  # tied
+    assert plan["lm_head"] == "colwise_gather_output", plan

@@ -16,6 +16,8 @@ from __future__ import annotations
 import inspect
 import math
 import re
+import sys
+import types
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional, Sequence, Union
@@ -307,10 +309,14 @@ def test_the_guide_holds_the_tested_decoder_and_its_snippets_run():
     for obj in (TinyConfig, RMSNorm, rotate, Attention, FeedForward, Block, TinyDecoder, tiny_decoder_spec,
                 TinyDecoderLM, train):
         assert inspect.getsource(obj) in code, f"docs/custom-models.md does not show the tested {obj.__name__}"
-    namespace: dict[str, Any] = {"__name__": "guide"}
-    for block in guide_blocks():
-        exec(compile(block, str(GUIDE), "exec"), namespace)  # every snippet runs, in the guide's order
-    assert isinstance(namespace["TinyDecoderLM"]().parallel_spec(), ParallelSpec)
+    guide = types.ModuleType("custom_models_guide")  # a module of its own, as the reader's script would be
+    sys.modules[guide.__name__] = guide
+    try:
+        for block in guide_blocks():  # every snippet runs, in the guide's order, without this file's imports
+            exec(compile(block, str(GUIDE), "exec", dont_inherit=True), guide.__dict__)
+        assert isinstance(guide.TinyDecoderLM().parallel_spec(), ParallelSpec)
+    finally:
+        del sys.modules[guide.__name__]
 
 
 def test_own_decoder_masks_documents_and_counts_global_positions_on_one_process():
@@ -325,16 +331,63 @@ def test_own_decoder_masks_documents_and_counts_global_positions_on_one_process(
     assert torch.allclose(logits, alone, atol=1e-5) and not torch.allclose(model(packed), alone, atol=1e-3)
 
 
-def test_a_declared_module_without_num_blocks_or_init_seed_is_refused_in_one_line():
-    from lightning_hybrid.models.spec import declared_spec
+def _guide_error(row: str) -> None:
+    """Make the error of one row of the guide's error table happen."""
+    from dataclasses import replace
+    from types import SimpleNamespace
 
-    class NoBlocks(TinyDecoderLM):
-        num_blocks = None
+    from lightning_hybrid.distributed.declared import declared_model
+    from lightning_hybrid.distributed.parallelize import require_meta
+    from lightning_hybrid.distributed.tensor_parallel import apply_tensor_parallel
 
-    with pytest.raises(TypeError, match=r"^NoBlocks declares parallel_spec\(\) but has no num_blocks\(\); a declared "
-                                        r"LightningModule also needs num_blocks\(\), init_seed\(\)") as caught:
-        declared_spec(NoBlocks())
-    assert "\n" not in str(caught.value)
+    no_blocks = type("TinyDecoderLM", (TinyDecoderLM,), {"num_blocks": None})
+
+    class NoAttention(TinyDecoderLM):
+        def parallel_spec(self) -> ParallelSpec:
+            return replace(tiny_decoder_spec(self.cfg), block_attention=None, attention_core=None)
+
+    module, model = TinyDecoderLM(), TinyDecoder(TinyConfig())
+    if row.startswith("tp=4"):
+        _checked(module, tp=4)
+    elif "has no num_blocks" in row:
+        _checked(no_blocks())
+    elif "built real weights" in row:
+        require_meta(model, "TinyDecoderLM")
+    elif "has no loss_sum" in row or "has no parameter_init" in row:
+        setattr(model, "loss_sum" if "loss_sum" in row else "parameter_init", None)
+        module.model = model
+        declared_model(module)
+    elif row.startswith("cp=2"):
+        _checked(NoAttention(), cp=2, tp=2)
+    elif row.startswith("tie_word_embeddings"):
+        model.out.weight = model.tok_emb.weight
+        apply_tensor_parallel(model, tiny_decoder_spec(model.cfg), SimpleNamespace(size=lambda: 2))
+    elif row.startswith("tp='auto'"):
+        _checked(module, tp="auto")
+    elif row.startswith("split point"):
+        _checked(module, tp=2, pp=2, pp_split_points=["layers.2"])
+
+
+def test_the_huggingface_guide_shows_the_tested_held_module_and_its_snippet_runs():
+    page = (GUIDE.parent / "huggingface.md").read_text().split("## A transformers model held as it is")[1]
+    block = re.search(r"```python\n(.*?)```", page, flags=re.S).group(1)
+    assert inspect.getsource(HeldLlama) in block
+    guide = types.ModuleType("held_model_guide")
+    sys.modules[guide.__name__] = guide
+    try:
+        exec(compile(block, "docs/huggingface.md", "exec", dont_inherit=True), guide.__dict__)
+        assert guide.trainer.strategy.options.tp == 2 and guide.HeldLlama("folder").model is None
+    finally:
+        del sys.modules[guide.__name__]
+
+
+def test_every_error_the_guide_lists_is_the_one_line_the_strategy_raises():
+    rows = re.findall(r"^\| `([^`]+)` \|", GUIDE.read_text().split("## Errors you may meet")[1], flags=re.M)
+    assert len(rows) == 9, rows
+    for row in rows:
+        with pytest.raises((ValueError, TypeError)) as caught:
+            _guide_error(row)
+        assert str(caught.value).startswith(row) and "\n" not in str(caught.value), (row, str(caught.value))
 
 
 # ------------------------------------------------------------------------------------------------ held models: errors

@@ -51,7 +51,7 @@ def declared_model(module: Any) -> nn.Module:
         raise TypeError(f"{name}.configure_model() did not set `self.model`")
     model_name = type(model).__name__
     if not callable(getattr(model, "loss_sum", None)):
-        raise TypeError(f"{model_name} (the `model` of {name}) has no loss_sum(logits, labels) -> (sum, count); the "
+        raise TypeError(f"{model_name} (the model of {name}) has no loss_sum(logits, labels) -> (sum, count); the "
                         f"strategy computes a declared model's loss with it (docs/custom-models.md)")
     if not callable(getattr(model, "parameter_init", None)) and not callable(getattr(module, "initialize_parameters",
                                                                                       None)):
