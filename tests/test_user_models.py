@@ -268,7 +268,8 @@ def runs(tmp_path_factory) -> dict:
     return torch.load(out / "records.pt", weights_only=False)
 
 
-distributed = pytest.mark.timeout(420)
+def distributed(test: Any) -> Any:
+    return pytest.mark.timeout(420)(pytest.mark.distributed(test))
 
 
 @distributed
