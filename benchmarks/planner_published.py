@@ -389,11 +389,11 @@ def mxfp8_row() -> PublishedRun:
 
 
 TRANSFORMER_ENGINE_FLOAT8_EFFICIENCY = {"tensorwise": 0.690, "mxfp8": 0.657}
-"""Transformer Engine's float8 GEMM efficiency per recipe (fraction of the fp8 peak, casts included), fitted on
-Megatron-Bridge's rows (``fit_float8(recipe, kernels="transformer-engine")``). Used only to predict those rows: TE
-fuses the amax and the cast into the neighbouring kernels, torchao's dynamic casts are separate (compiled) kernels, so
-one constant for both leaves Megatron-Bridge's rows 15-23% slow and torchtitan's fast. The planner predicts our
-runtime, torchao, with ``FLOAT8_GEMM_EFFICIENCY``."""
+"""Transformer Engine's float8 GEMM efficiency per recipe (fraction of the fp8 peak), fitted on Megatron-Bridge's rows
+(``fit_float8(recipe, kernels="transformer-engine")``), whose runtime says ``float8_fused_casts``: TE fuses the amax
+and the cast into the neighbouring kernels, so no cast traffic is added; torchao's dynamic casts are separate
+(compiled) kernels whose HBM traffic the planner adds (``FLOAT8_CAST_BYTES``). Used only to predict those rows; the
+planner predicts our runtime, torchao, with ``FLOAT8_GEMM_EFFICIENCY``."""
 
 
 def float8_efficiency(run: PublishedRun, efficiency: Optional[dict] = None) -> Optional[float]:
