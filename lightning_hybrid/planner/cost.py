@@ -31,6 +31,7 @@ from lightning_hybrid.planner.step_time import (
     SELECTIVE_POLICIES,
     block_gemms,
     elementwise_bytes,
+    float8_cast_elements,
     gemm_efficiency,
 )
 from lightning_hybrid.planner.tp_comm import tp_block_seconds
@@ -125,6 +126,18 @@ def _gemm_seconds(problem: Problem, tokens: int, k: int, n: int, float8: bool = 
     return 6 * tokens * k * n / (hw.peak_flops(problem.precision) * efficiency)
 
 
+def _float8_cast_seconds(problem: Problem, layout: Layout, tokens: int,
+                         shapes: dict[str, tuple[int, int]]) -> dict[str, float]:
+    """HBM seconds of torchao's dynamic float8 casts of each block linear per micro-batch (0 without float8 or with
+    fused casts): :func:`~lightning_hybrid.planner.step_time.float8_cast_elements` at ``FLOAT8_CAST_BYTES`` each."""
+    rt = problem.runtime
+    if rt.float8 is None or rt.float8_fused_casts:
+        return dict.fromkeys(shapes, 0.0)
+    elements = float8_cast_elements(shapes, tokens, layout.tp, layout.sequence_parallel, rt.float8,
+                                    layout.data_parallel in ("fsdp", "hsdp"))
+    return {name: _hbm_seconds(problem, problem.time_model.float8_cast_bytes * e) for name, e in elements.items()}
+
+
 def _hbm_seconds(problem: Problem, nbytes: float) -> float:
     return nbytes / (problem.hw.gpu.hbm_tbs * 1e12 * problem.time_model.hbm_efficiency)
 
@@ -137,7 +150,7 @@ _BLOCK_WORK_LIMIT = 65536
 
 def _block_work(problem: Problem, layout: Layout, tokens: int) -> _Work:
     """One block on one TP rank for a micro-batch of ``tokens`` (see :mod:`~lightning_hybrid.planner.step_time`)."""
-    key = (problem, tokens, layout.tp, layout.sequence_parallel, layout.recompute, layout.cp)
+    key = (problem, tokens, layout.tp, layout.sequence_parallel, layout.recompute, layout.cp, layout.data_parallel)
     work = _BLOCK_WORK.get(key)
     if work is None:
         if len(_BLOCK_WORK) >= _BLOCK_WORK_LIMIT:
@@ -150,7 +163,8 @@ def _compute_block_work(problem: Problem, layout: Layout, tokens: int) -> _Work:
     """:func:`_block_work` without the memo (it reads only the layout fields in the memo's key)."""
     c, rt = problem.config, problem.runtime
     shapes = block_gemms(c, layout.tp, rt.fused_projections)
-    gemms = {name: _gemm_seconds(problem, tokens, k, n, float8=True) for name, (k, n) in shapes.items()}
+    casts = _float8_cast_seconds(problem, layout, tokens, shapes)  # in the GEMM's time: recompute replays them too
+    gemms = {name: _gemm_seconds(problem, tokens, k, n, float8=True) + casts[name] for name, (k, n) in shapes.items()}
     attention_flops = 12 * tokens * c.num_attention_heads * c.head_dim / layout.tp * problem.seq_len
     attention = attention_flops / (problem.hw.peak_flops(problem.precision) * problem.time_model.attention_efficiency)
     replayed_attention = attention / 3  # what a full recompute of the block adds
