@@ -36,6 +36,7 @@ from lightning_hybrid.distributed.fault_tolerance import (
 )
 from lightning_hybrid.distributed.float8 import precompute_float8_scales
 from lightning_hybrid.distributed.heartbeat import HANG_TIMEOUT, attach_hang_detector, check_hang_timeout
+from lightning_hybrid.distributed.hf_transformers import check_held_models, parallelize_held
 from lightning_hybrid.distributed.materialize import move_buffers
 from lightning_hybrid.distributed.mesh import build_mesh, checkpoint_groups, lightning_mesh
 from lightning_hybrid.distributed.options import ParallelOptions
@@ -58,7 +59,8 @@ class HybridParallelStrategy(ModelParallelStrategy):
     (``parallel_spec()``, like :class:`~lightning_hybrid.models.CausalLM`) is built by the strategy: parallelized,
     materialized from the meta device, initialized mesh-independently. One whose ``configure_model`` parallelizes
     itself (for Lightning's ``ModelParallelStrategy``) keeps working with ``pp=1`` on Lightning's 2-D mesh; what it
-    leaves unsynchronized over dp is replicated. Bare: tp=1, dp=world (self-parallelizing: tp, dp = devices, nodes).
+    leaves unsynchronized over dp is replicated. A Hugging Face model it holds as it is gets its own tp plan and FSDP2.
+    Bare: tp=1, dp=world (not declared: tp, dp = devices, nodes).
 
     Args:
         tp: tensor-parallel size; keep it within a node. ``"auto"`` here and in the seven options below: planned.
@@ -172,6 +174,8 @@ class HybridParallelStrategy(ModelParallelStrategy):
         check_device_options(self.options, self.root_device, self._get_process_group_backend())
         # None: "auto", planned once the process group exists
         self._dims = check_request(self, self._spec, self._precision, rank_zero_info)
+        if self._spec is None:  # a Hugging Face model made in __init__ is checked here, one made later in setup()
+            check_held_models(self.lightning_module, self.options, self._dims)
 
     @override
     def setup_environment(self) -> None:
@@ -195,8 +199,9 @@ class HybridParallelStrategy(ModelParallelStrategy):
     @override
     def setup(self, trainer: "pl.Trainer") -> None:
         if self._spec is None:
-            # The LightningModule parallelized itself in configure_model (ModelParallelStrategy style); what it left
-            # unsynchronized over dp is replicated (see distributed/self_parallel.py).
+            # The module parallelized itself in configure_model (ModelParallelStrategy style) or holds a Hugging Face
+            # model (its tp plan, FSDP2: hf_transformers.py); what is unsynchronized over dp is replicated.
+            parallelize_held(self, self._precision, rank_zero_info)
             super().setup(trainer)
             self._replicas = replicate_unsynchronized(self.model, self.lightning_module, self._dims, rank_zero_info)
             return None

@@ -10,9 +10,9 @@ from __future__ import annotations
 
 import json
 import sys
-from typing import Optional
 from contextlib import contextmanager
 from pathlib import Path
+from typing import Optional
 
 import dist_worker
 import torch.distributed as dist

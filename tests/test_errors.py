@@ -138,9 +138,17 @@ def test_recompute_and_compile_switches_are_accepted_for_a_declared_model_and_re
 
     strategy = _validated(CausalLM("tiny"), activation_checkpointing="selective", selective_ac="2", compile=True)
     assert strategy.options.selective_ac == 2 and strategy.options.compile
-    with pytest.raises(ValueError,
-                       match=r"activation_checkpointing='full'/compile=False need a LightningModule that declares"):
-        _validated(UserTPModule(), activation_checkpointing="full")
+    with pytest.raises(ValueError, match=r"^compile=True needs a LightningModule that declares its blocks"):
+        _validated(UserTPModule(), compile=True)
+    # recompute: the strategy also recomputes the decoder layers of a Hugging Face model the module holds, which may
+    # be made in configure_model; a module that holds none is refused once configure_model has run
+    from lightning_hybrid.distributed.hf_transformers import check_held_models
+
+    strategy = _validated(UserTPModule(), activation_checkpointing="full")
+    with pytest.raises(ValueError, match=r"^activation_checkpointing='full' needs a LightningModule that declares its "
+                                         r"blocks \(parallel_spec\(\)\) or holds a Hugging Face transformers model; "
+                                         r"UserTPModule parallelizes itself"):
+        check_held_models(UserTPModule(), strategy.options, strategy.dims, final=True)
 
 
 @pytest.mark.parametrize("kwargs", [{"sequence_parallel": True}, {"activation_checkpointing": "full"},

@@ -331,3 +331,26 @@ def test_mxfp8_refused_on_gpus_before_blackwell(monkeypatch):
                        "(use float8='rowwise' on Hopper/Ada, or float8=None)")
     assert float8.float8_device_error("rowwise", torch.device("cuda", 0)) is None
     assert float8.float8_device_error("mxfp8", torch.device("cpu")) is None  # torchao's emulated MXFP8 on CPU
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_float8_and_compile_train_qwen3_like_eager_float8(monkeypatch):
+    """Every feature for every family (#47): Qwen3's q/k norms and explicit head_dim inside float8 rowwise blocks that
+    are recomputed and compiled train like the same blocks eager; the float8 conversion covers the family's 7 linears
+    per block (its q/k norms stay in bf16)."""
+    from torchao.float8.float8_linear import Float8Linear
+
+    from lightning_hybrid.distributed.activation_checkpoint import compiled
+    from lightning_hybrid.models.decoder.config import DecoderConfig
+
+    monkeypatch.setenv(FLOAT8_EMULATE_ENV, "1")
+    qwen3 = {**DecoderConfig.from_preset("tiny-qwen3").to_dict(), **FLOAT8_TINY, "name": "tiny-qwen3"}
+    eager, _ = fit_one_process("rowwise", 5, config=qwen3, lr=FLOAT8_LR)
+    losses, module = fit_one_process("rowwise", 5, config=qwen3, lr=FLOAT8_LR,
+                                     strategy={"activation_checkpointing": "full", "compile": True})
+    assert module.config.model_type == "qwen3" and module.model.layers["0"].self_attn.q_norm is not None
+    assert sum(1 for m in module.model.modules() if compiled(m)) == 4
+    assert sum(1 for m in module.model.modules() if isinstance(m, Float8Linear)) == 4 * 7
+    err = max(abs(x - y) / abs(y) for x, y in zip(losses, eager))
+    assert err < EQUIVALENCE_TOL, (err, losses, eager)

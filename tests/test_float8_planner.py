@@ -12,7 +12,7 @@ import pytest
 from test_planner_published import load_benchmark
 
 from lightning_hybrid.planner.cli import run_plan
-from lightning_hybrid.planner.step_time import FLOAT8_GEMM_EFFICIENCY
+from lightning_hybrid.planner.step_time import FLOAT8_GEMM_EFFICIENCY, block_gemms, float8_cast_elements
 
 # Every float8 row, context parallel included (torch's ring per step, planner/context_parallel.py), within 20%.
 FLOAT8_MEDIAN, FLOAT8_MAX = 0.10, 0.20
@@ -68,3 +68,36 @@ def test_plan_float8_rowwise_predicts_and_says_mfu_is_against_bf16(capsys):
     assert "float8=rowwise" in text and "MFU is quoted against the bf16 peak (2250 TFLOP/s)" in text
     best = lambda doc: doc["layouts"][0]["tokens_per_second"]  # noqa: E731
     assert best(mx) > 1.15 * best(bf16)
+
+
+def test_float8_cast_elements_count_each_input_once_and_fsdp_float8_weights_not_at_all():
+    """torchao's dynamic casts per micro-batch: q/k/v (gate/up) share one cast of their input, tensorwise TP with
+    sequence parallel casts the sequence shard before the all-gather, FSDP's float8 all-gather casts weights."""
+    from lightning_hybrid.models.qwen2.config import Qwen2Config
+
+    shapes = block_gemms(Qwen2Config.from_preset("llama3-8b"), 1)
+    tokens = 8192
+    plain = float8_cast_elements(shapes, tokens, 1, False, "rowwise", fsdp=False)
+    h, inter = 4096, 14336
+    assert plain["q"] == tokens * h + tokens * h + h * h  # input, output gradient, weight
+    assert plain["k"] == tokens * 1024 + h * 1024  # input shared with q: not cast again
+    assert plain["up"] == tokens * inter + h * inter and plain["down"] == tokens * inter + tokens * h + inter * h
+    fsdp = float8_cast_elements(shapes, tokens, 1, False, "tensorwise", fsdp=True)
+    assert fsdp["q"] == 2 * tokens * h  # FSDP's float8 all-gather casts the weight once per gather
+    tp_shapes = block_gemms(Qwen2Config.from_preset("llama3-8b"), 8)
+    sharded = float8_cast_elements(tp_shapes, tokens, 8, True, "tensorwise", fsdp=False)
+    assert sharded["q"] == tokens * h / 8 + tokens * 512 + h * 512  # the shard is cast, then gathered in float8
+    assert sharded["o"] == tokens * 512 + tokens * h + 512 * h  # a rowwise linear's input is TP-local already
+
+
+def test_transformer_engine_fused_casts_and_float8_tp_all_gathers_are_faster(bench):
+    """The same float8 layout: fused casts (Transformer Engine) take the cast traffic away; under tensorwise the
+    sequence-parallel all-gathers feeding q/k/v and gate/up move one byte per element instead of two."""
+    import dataclasses
+
+    run = next(r for r in bench.FLOAT8_RUNS if "70B, 256 H100, FSDP32 TP8 + float8 tensorwise" in r.name)
+    torchao = bench.predict(run)
+    fused = bench.predict(dataclasses.replace(run, runtime=dataclasses.replace(run.runtime, float8_fused_casts=True)))
+    assert fused.time["compute"] < torchao.time["compute"] and fused.time["tp_comm"] == torchao.time["tp_comm"]
+    rowwise = bench.predict(dataclasses.replace(run, runtime=dataclasses.replace(run.runtime, float8="rowwise")))
+    assert torchao.time["tp_comm"] < rowwise.time["tp_comm"]  # rowwise gathers in bf16

@@ -102,7 +102,8 @@ def test_a_bare_strategy_says_once_which_mesh_it_chose_for_each_kind_of_module(c
     with caplog.at_level("INFO"):
         self_parallel = validated(4, 2)
     lines = [r.getMessage() for r in caplog.records if "without sizes" in r.getMessage()]
-    assert lines == ["HybridParallelStrategy() without sizes, for a module that parallelizes itself: "
+    assert lines == ["HybridParallelStrategy() without sizes, for a module that parallelizes itself or holds a "
+                     "Hugging Face model: "
                      "ModelParallelStrategy's default mesh, tensor_parallel=4 (the devices of a node) x "
                      "data_parallel=2 (the nodes); give dp/tp (or data_parallel_size/tensor_parallel_size) for "
                      "another"], lines

@@ -27,6 +27,8 @@ Wrappers (in ``lightning_hybrid.distributed``) and the private APIs they use:
 - ``checkpoint.staging.tie_writer_to_parent``: ``torch.distributed.checkpoint._async_process_executor``'s
   ``_AsyncCheckpointProcess._checkpointing_subprocess`` (a static method of ``(pg_init_info, parent_conn)``, the
   target of the writer daemon that ``__init__`` spawns);
+- ``hf_transformers.tensor_parallel_plan``: transformers' ``PreTrainedModel._expand_parallel_plan`` (a plan's ``*``
+  replaced by the layer numbers, a parameter's entry before its module's: what ``apply_tensor_parallelism`` takes);
 - ``lightning_hybrid.distributed.auto_layout._data``: Lightning's ``trainer.fit_loop._data_source.instance`` (the
   DataLoader given to ``fit``, before Lightning sets it up), read by the auto layout.
 
@@ -85,6 +87,7 @@ RECOMPUTING = "lightning_hybrid.distributed.expert_parallel._recomputing"
 IN_BACKWARD = "lightning_hybrid.models.decoder.moe._in_backward"
 ALL_TO_ALL = "lightning_hybrid.distributed.expert_parallel.AllToAllDispatch"
 SHARD_EXPERTS = "lightning_hybrid.distributed.expert_parallel.shard_experts"
+HF_TP_PLAN = "lightning_hybrid.distributed.hf_transformers.tensor_parallel_plan"
 
 
 def broken(wrapper: str, what: str) -> str:
@@ -610,3 +613,22 @@ def test_fsdp_divides_a_one_rank_groups_gradients_twice_when_the_sum_is_forced(g
         grads[forced] = module.weight.grad.to_local().flatten().tolist()
     assert grads[False] == [0.5, 0.5], grads
     assert grads[True] == [0.25, 0.25], broken(SHARD_EXPERTS, f"the forced sum now divides once: {grads}")
+
+
+# ---------------------------------------------------------------------------------- transformers' plan expansion
+
+def test_transformers_expands_a_tp_plan_per_layer_with_parameters_before_their_module():
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from lightning_hybrid.distributed.hf_transformers import tensor_parallel_plan
+
+    config = LlamaConfig(vocab_size=32, hidden_size=16, intermediate_size=32, num_hidden_layers=2,
+                         num_attention_heads=2, num_key_value_heads=2, tie_word_embeddings=True)
+    model = LlamaForCausalLM(config)
+    with blame(HF_TP_PLAN):
+        plan = tensor_parallel_plan(model)
+    names = list(plan)
+    assert plan["model.layers.1.mlp.down_proj.weight"] == plan["model.layers.1.mlp.down_proj"] == "rowwise", plan
+    assert names.index("model.embed_tokens.weight") < names.index("model.embed_tokens"), names
+    assert plan["model.embed_tokens.weight"] == "embedding_rowwise" and "lm_head.weight" not in plan, plan  # tied
+    assert plan["lm_head"] == "colwise_gather_output", plan

@@ -198,7 +198,8 @@ class ThroughputMonitor(pl.Callback):
         dtype: compute dtype for the peak lookup (``"bf16"``, ``"fp8"``, ...); ``None`` reads the Trainer's precision.
         straggler_every_n_steps: gather step timings every this many steps; 0 disables.
         straggler_threshold: a rank this fraction slower than the median is reported.
-        model_flops_per_token: ``seq_len -> FLOPs per token`` for a model without a Qwen2-shaped ``config``.
+        model_flops_per_token: ``seq_len -> FLOPs per token``; ``None``: the module's own ``flops_per_token(seq_len)``
+            when it has one, else the count of its Qwen2-shaped ``config``.
         batch_tokens: ``batch -> (tokens, seq_len)`` on this rank, for batches without ``input_ids``.
         synchronize: synchronize CUDA at the step boundaries so step times include the GPU work.
 
@@ -243,11 +244,14 @@ class ThroughputMonitor(pl.Callback):
             self._peak, self._peak_source = device_peak_flops(device, self.dtype or compute_dtype(trainer, device))
         self._flops_fn = self.model_flops_per_token
         config = getattr(pl_module, "config", None)
-        if self._flops_fn is None and config is not None and hasattr(config, "intermediate_size"):
+        # the module's own count (CausalLM's, a user's decoder's): a method its class defines
+        if self._flops_fn is None and callable(getattr(type(pl_module), "flops_per_token", None)):
+            self._flops_fn = pl_module.flops_per_token
+        elif self._flops_fn is None and config is not None and hasattr(config, "intermediate_size"):
             self._flops_fn = functools.partial(flops_per_token, config)
         if self._flops_fn is None:
-            rank_zero_info("ThroughputMonitor: the module has no Qwen2-shaped `config`; logging tokens/s without "
-                           "FLOP/s and MFU (pass model_flops_per_token= to add them)")
+            rank_zero_info("ThroughputMonitor: the module has no flops_per_token() nor a Qwen2-shaped `config`; "
+                           "logging tokens/s without FLOP/s and MFU (pass model_flops_per_token= to add them)")
         self._throughput = Throughput(available_flops=self._peak, world_size=1, window_size=self.window + 1)
         self._recent: deque[tuple[float, float]] = deque(maxlen=self.window)  # (step time, data wait)
         self._clock = 0.0  # training wall time: steps and data waits, no validation

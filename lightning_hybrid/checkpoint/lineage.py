@@ -29,6 +29,7 @@ from lightning_hybrid.checkpoint.manifest import (
     Committed,
     committed_checkpoints,
     fsync_dir,
+    model_config_of,
     model_differences,
     read_manifest,
     update_latest,
@@ -93,12 +94,6 @@ def foreign_checkpoints(dirpath: Union[str, Path], lineage: Lineage) -> dict[obj
         if run_id is not _UNREADABLE and not lineage.owns(run_id):
             found.setdefault(run_id, []).append(candidate)
     return found
-
-
-def model_config_of(module: Any) -> Optional[dict[str, Any]]:
-    """The model config a LightningModule trains (``module.config.to_dict()``), ``None`` when it has none."""
-    config = getattr(module, "config", None)
-    return config.to_dict() if callable(getattr(config, "to_dict", None)) else None
 
 
 def of_another_model(folder: Union[str, Path], current: Optional[dict[str, Any]]) -> bool:

@@ -24,7 +24,7 @@ from lightning_hybrid.checkpoint.storage import ObjectPath, checkpoint_path, mov
 
 __all__ = ["MANIFEST", "LATEST", "step_dirname", "file_record", "write_manifest",
            "CheckpointError", "committed_checkpoints", "set_aside_newer", "update_latest", "purge_old",
-           "fsync_dir", "record_skips", "model_differences"]
+           "fsync_dir", "record_skips", "model_differences", "model_config_of"]
 
 MANIFEST = "meta.json"
 LATEST = "latest"
@@ -142,6 +142,14 @@ def set_aside_newer(dirpath: Union[str, Path], step: int, names: Optional[Iterab
 
 # Fields of a model config that do not make it another model (a name, the longest sequence, the init's spread).
 _NOT_THE_MODEL = ("name", "max_position_embeddings", "initializer_range")
+
+
+def model_config_of(module: Any) -> Optional[dict[str, Any]]:
+    """The model config a LightningModule trains (``module.config.to_dict()``), ``None`` when it has none or its
+    config has no ``to_dict()`` (a user's own decoder with a plain config: then no checkpoint is refused as another
+    model's)."""
+    config = getattr(module, "config", None)
+    return config.to_dict() if callable(getattr(config, "to_dict", None)) else None
 
 
 def model_differences(saved: Optional[dict[str, Any]], current: Optional[dict[str, Any]]) -> dict[str, tuple]:

@@ -34,6 +34,7 @@ from lightning_hybrid.checkpoint.manifest import (
     MANIFEST,
     CheckpointError,
     file_record,
+    model_config_of,
     model_differences,
     write_manifest,
 )
@@ -91,14 +92,13 @@ def _by_error(failed: list[tuple[int, str]]) -> str:
 
 def _info(ctx: CheckpointContext, checkpoint: dict[str, Any]) -> dict[str, Any]:
     module = ctx.module
-    config = getattr(module, "config", None)
     return {
         "step": int(checkpoint.get("global_step", 0)),
         "run_id": checkpoint.get("hybrid", {}).get("run_id"),  # the run lineage (checkpoint/lineage.py)
         "epoch": int(checkpoint.get("epoch", 0)),
         "data_position": checkpoint.get("hybrid", {}).get("data_position"),
         "mesh": dict(ctx.layout),
-        "model_config": config.to_dict() if config is not None else None,
+        "model_config": model_config_of(module),
         "hparams": json.loads(json.dumps(dict(getattr(module, "hparams", {})), default=str)),
         "versions": _versions(),
         "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
@@ -225,9 +225,7 @@ def load(ctx: CheckpointContext, folder: Path) -> dict[str, Any]:
     if not (folder / MANIFEST).is_file():
         raise CheckpointError(f"checkpoint {folder} has no {MANIFEST} (incomplete or not a checkpoint)")
     manifest = verify_on_all_ranks(folder, ctx.global_rank, ctx.world_size, ctx.group).manifest
-    config = getattr(ctx.module, "config", None)
-    check_model_config(manifest.get("model_config"), config.to_dict() if config is not None else None, folder,
-                       manifest.get("run_id"))
+    check_model_config(manifest.get("model_config"), model_config_of(ctx.module), folder, manifest.get("run_id"))
     load_shards(folder, ctx.module.model, ctx.optimizers, ctx.group)
     trainer_state = load_trainer_state(folder)
     if manifest.get("data_position"):  # the manifest's wins: a rollback may have added skipped ranges to it since

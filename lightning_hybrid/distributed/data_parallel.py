@@ -11,7 +11,7 @@ there and then all-reduced across the replica groups. With context parallelism e
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Callable, Iterable, Optional
+from typing import TYPE_CHECKING, Any, Callable, Iterable, Optional, Union
 
 import torch
 from torch import Tensor, nn
@@ -31,13 +31,15 @@ def torch_dtype(name: Optional[str]) -> Optional[torch.dtype]:
     return None if name is None else getattr(torch, name)
 
 
-def apply_fsdp(model: nn.Module, blocks: nn.ModuleDict, dp_mesh: "DeviceMesh", reshard_after_forward: bool = True,
-               param_dtype: Optional[torch.dtype] = None, reduce_dtype: Optional[torch.dtype] = None) -> None:
+def apply_fsdp(model: nn.Module, blocks: Union[nn.ModuleDict, Iterable[nn.Module]], dp_mesh: "DeviceMesh",
+               reshard_after_forward: bool = True, param_dtype: Optional[torch.dtype] = None,
+               reduce_dtype: Optional[torch.dtype] = None) -> None:
     """Shard each block and then the rest of ``model`` over ``dp_mesh`` with FSDP2.
 
     Args:
         model: the model or pipeline stage; its remaining parameters (embedding, norm, head) form the root unit.
-        blocks: the blocks, each its own unit so only one block's full weights exist at a time.
+        blocks: the blocks (a ``ModuleDict`` or the modules themselves: a Hugging Face model's decoder layers), each
+            its own unit so only one block's full weights exist at a time.
         dp_mesh: the 1-D data-parallel mesh (dp, or dp x cp flattened), or HSDP's 2-D (replicate, shard) mesh.
         reshard_after_forward: free a block's gathered weights after forward (re-gather in backward).
             Zero-bubble pipeline schedules need ``False``: their separate weight-gradient pass reads the
@@ -52,7 +54,7 @@ def apply_fsdp(model: nn.Module, blocks: nn.ModuleDict, dp_mesh: "DeviceMesh", r
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
     policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
-    for block in blocks.values():
+    for block in (blocks.values() if isinstance(blocks, nn.ModuleDict) else blocks):
         fully_shard(block, mesh=dp_mesh, reshard_after_forward=reshard_after_forward, mp_policy=policy)
     fully_shard(model, mesh=dp_mesh, reshard_after_forward=False, mp_policy=policy)
     model.register_forward_hook(_reshard_without_backward)  # runs after FSDP's own post-forward hook

@@ -37,16 +37,27 @@ def declared_model(module: Any) -> nn.Module:
     """The model a declared LightningModule built in ``configure_model`` (its ``model`` attribute).
 
     Raises:
-        TypeError: the module does not build its model in ``configure_model()``, or did not set ``self.model``.
+        TypeError: the module does not build its model in ``configure_model()``, did not set ``self.model``, or the
+            model has no ``loss_sum`` or no initialization (its ``parameter_init`` or the module's
+            ``initialize_parameters``).
     """
     from lightning.pytorch.utilities.model_helpers import is_overridden
 
     name = type(module).__name__
     if not is_overridden("configure_model", module):
         raise TypeError(f"{name} declares parallel_spec() but does not build its model in configure_model()")
-    if module.model is None:
+    model = module.model
+    if model is None:
         raise TypeError(f"{name}.configure_model() did not set `self.model`")
-    return module.model
+    model_name = type(model).__name__
+    if not callable(getattr(model, "loss_sum", None)):
+        raise TypeError(f"{model_name} (the model of {name}) has no loss_sum(logits, labels) -> (sum, count); the "
+                        f"strategy computes a declared model's loss with it (docs/custom-models.md)")
+    if not callable(getattr(model, "parameter_init", None)) and not callable(getattr(module, "initialize_parameters",
+                                                                                      None)):
+        raise TypeError(f"{model_name} has no parameter_init(name) and {name} no initialize_parameters(model, seed); "
+                        f"the strategy initializes the shards with one of them (docs/custom-models.md)")
+    return model
 
 
 def initialize_declared(lightning_module: Any, target: nn.Module, declared: nn.Module, seed: int) -> None:

@@ -3,8 +3,10 @@
 A module that parallelizes itself was written for Lightning's ``ModelParallelStrategy`` and applies TP to
 ``self.device_mesh["tensor_parallel"]``; a bare ``ModelParallelStrategy()`` gives it tp = the devices of a node and
 dp = the nodes, and so does a bare ``HybridParallelStrategy()`` (otherwise such code would silently train as pure data
-parallelism, every rank holding whole weights). A declared model (``parallel_spec()``) keeps the documented default:
-tp=1, pp=1, dp = the world. Pure arithmetic on the options (no torch).
+parallelism, every rank holding whole weights). The mesh is built before ``configure_model`` runs, so a module that
+holds a Hugging Face model (often made there) gets the same: its own tp plan over the devices of a node, as
+transformers' ``tp_plan="auto"`` does, FSDP2 over the nodes. A declared model (``parallel_spec()``) keeps the
+documented default: tp=1, pp=1, dp = the world. Pure arithmetic on the options (no torch).
 """
 
 from __future__ import annotations
@@ -20,7 +22,8 @@ def bare_layout_note(options: Any, dims: Any, self_parallel: bool) -> Optional[s
     if not options.is_bare():
         return None
     if self_parallel:
-        return (f"HybridParallelStrategy() without sizes, for a module that parallelizes itself: "
+        return (f"HybridParallelStrategy() without sizes, for a module that parallelizes itself or holds a Hugging "
+                f"Face model: "
                 f"ModelParallelStrategy's default mesh, tensor_parallel={dims.tp} (the devices of a node) x "
                 f"data_parallel={dims.dp} (the nodes); give dp/tp (or data_parallel_size/tensor_parallel_size) for "
                 f"another")

@@ -103,10 +103,11 @@ def _feature_error(options: ParallelOptions, dims: ParallelDims, spec: Optional[
         return cp_error
     if spec is not None and precision not in DECLARED_PRECISIONS:
         return f"precision={precision!r} is not supported for a declared model; use one of {DECLARED_PRECISIONS}"
-    if spec is None and (options.activation_checkpointing != "none" or options.compile):
-        return (f"activation_checkpointing={options.activation_checkpointing!r}/compile={options.compile} need a "
-                f"LightningModule that declares its blocks (parallel_spec()); a module that parallelizes itself "
-                f"applies them in its own configure_model")
+    if spec is None and options.compile:
+        # activation_checkpointing: the strategy recomputes the decoder layers of a held Hugging Face model too; a
+        # module that holds none is refused once its configure_model has run (hf_transformers.check_held_models)
+        return ("compile=True needs a LightningModule that declares its blocks (parallel_spec()); a module that "
+                "parallelizes itself or holds a Hugging Face model compiles in its own configure_model")
     if (options.compile and dims.tp > 1 and not options.sequence_parallel
             and options.activation_checkpointing == "selective" and options.selective_ac == "op"):
         import torch  # only for the version in the message
@@ -145,8 +146,8 @@ def check_options(options: ParallelOptions, world_size: int, devices_per_node: O
     elif options.pp > 1:
         raise ValueError(
             f"pp={options.pp} needs a LightningModule that declares its model parts and loss "
-            f"(parallel_spec(), num_blocks() and a `model` with loss_sum(); see lightning_hybrid.models.CausalLM); "
-            f"{module_name} does not"
+            f"(parallel_spec(), num_blocks() and a `model` with loss_sum(); see docs/custom-models.md); "
+            f"{module_name} does not (a Hugging Face model held as it is trains with tp and dp only)"
         )
     if options.pp > 1:
         validate_schedule(options.pp_schedule, options.pp, options.virtual_stages, options.num_microbatches)

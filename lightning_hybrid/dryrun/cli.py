@@ -137,7 +137,7 @@ def _run_rank_in_pool(job: DryRunJob, rank: int, *args: Any) -> Any:
         return run_rank(job, rank, *args)
     except ValueError as error:  # the strategy's one-line errors for a layout that does not fit
         raise ValueError(str(error)) from None
-    except Exception:
+    except Exception:  # noqa: BLE001  (any error: sent back as one that pickles, with its traceback)
         raise RuntimeError(f"the dry run of rank {rank} failed:\n{traceback.format_exc()}") from None
 
 

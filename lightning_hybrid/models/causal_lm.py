@@ -18,7 +18,8 @@ from lightning_hybrid.models.decoder.model import Decoder, parameter_init
 from lightning_hybrid.models.decoder.moe import METRICS, moe_layers, step_metrics
 from lightning_hybrid.models.spec import ParallelSpec, token_mean_loss
 
-__all__ = ["CausalLM", "split_batch", "position_ids_of", "LR_SCHEDULES"]
+__all__ = ["CausalLM", "split_batch", "position_ids_of", "LR_SCHEDULES", "attached_strategy", "declared_runner",
+           "builds_declared_models", "global_token_loss"]
 
 LR_SCHEDULES = ("cosine", "linear", "constant")
 
@@ -40,6 +41,57 @@ def split_batch(batch: Any) -> tuple[Tensor, Tensor]:
 def position_ids_of(batch: Any) -> Optional[Tensor]:
     """The batch's ``position_ids`` (documents packed in a row, restarting at 0 at each), or ``None``."""
     return batch.get("position_ids") if isinstance(batch, dict) else None
+
+
+def attached_strategy(module: pl.LightningModule) -> Optional[Any]:
+    """The strategy of the Trainer ``module`` is attached to, or ``None`` while it is attached to none."""
+    try:
+        return module.trainer.strategy
+    except RuntimeError:  # Lightning's `trainer` raises when none is attached
+        return None
+
+
+def builds_declared_models(module: pl.LightningModule) -> bool:
+    """Whether the attached strategy builds a declared model itself (``HybridParallelStrategy``: it shards the
+    meta-device model, then materializes and initializes it), so ``configure_model`` leaves it on the meta device.
+    Any other strategy (one device, DDP, ...) gets it materialized and initialized by the module."""
+    return callable(getattr(attached_strategy(module), "declared_model_runner", None))
+
+
+def declared_runner(module: pl.LightningModule) -> Optional[Any]:
+    """The strategy's runner for ``module``'s declared model (a pipeline, under pp > 1), or ``None`` when the model
+    runs as it is (``module.model(...)``).
+
+    The one question a declared module asks a strategy, through its public ``declared_model_runner()``; a strategy
+    without that method (one device, DDP, ...) runs the model plainly.
+    """
+    ask = getattr(attached_strategy(module), "declared_model_runner", None)
+    return ask() if callable(ask) else None
+
+
+def global_token_loss(module: pl.LightningModule, input_ids: Tensor, labels: Tensor, train: bool,
+                      position_ids: Optional[Tensor] = None) -> tuple[Tensor, Tensor, Tensor]:
+    """(loss to backpropagate, global mean loss for logging, global label-token count) of a batch of a declared
+    module (``module.model`` with ``loss_sum(logits, labels)``), the same math on one process and on any mesh.
+
+    Under a pipeline, the strategy's runner runs the schedule (forward and, when ``train``, backward of every
+    micro-batch). Otherwise each rank backpropagates its label-token sum as its part of the global token mean
+    (:func:`~lightning_hybrid.models.spec.token_mean_loss`, which the runner uses per micro-batch); one all-reduce
+    gives both the global sum (for logging) and the global count, the ranks that hold the same data (tensor and
+    context peers) divided out.
+    """
+    pipeline = declared_runner(module)
+    if pipeline is not None:
+        return pipeline(input_ids, labels, train=train, position_ids=position_ids)
+    model = module.model
+    logits = model(input_ids) if position_ids is None else model(input_ids, position_ids)
+    loss_sum, count = model.loss_sum(logits, labels)
+    strategy = module.trainer.strategy
+    dp = strategy.distributed_sampler_kwargs["num_replicas"] if strategy.world_size > 1 else 1
+    stats = torch.stack([loss_sum.detach().float(), count.float()])
+    if strategy.world_size > 1:
+        stats = strategy.reduce(stats, reduce_op="sum") * (dp / strategy.world_size)
+    return token_mean_loss(loss_sum, stats[1], dp), token_mean_loss(stats[0], stats[1]), stats[1]
 
 
 def lr_lambda(step: int, warmup_steps: int, max_steps: int, schedule: str, min_lr_ratio: float) -> float:
@@ -124,22 +176,6 @@ class CausalLM(pl.LightningModule):
         """Model FLOPs per trained token at ``seq_len`` (:func:`~lightning_hybrid.models.decoder.flops_per_token`)."""
         return flops_per_token(self.config, seq_len)
 
-    def _declared_runner(self) -> Optional[Any]:
-        """The strategy's runner for this declared model (a pipeline), or ``None`` when the model runs as is.
-
-        The one question this module asks a strategy, through its public ``declared_model_runner()``; a
-        strategy without that method (single device, DDP, ...) runs the model plainly.
-        """
-        ask = getattr(self._strategy(), "declared_model_runner", None)
-        return ask() if callable(ask) else None
-
-    def _strategy(self) -> Optional[Any]:
-        """The Trainer's strategy, or ``None`` while this module is not attached to a Trainer."""
-        try:
-            return self.trainer.strategy
-        except RuntimeError:  # Lightning's `trainer` raises when none is attached
-            return None
-
     def init_seed(self) -> int:
         if self.hparams.init_seed is not None:
             return int(self.hparams.init_seed)
@@ -150,9 +186,8 @@ class CausalLM(pl.LightningModule):
             return
         with torch.device("meta"):
             model = Decoder(self.config)
-        strategy = self._strategy()
         # A strategy that runs declared models shards the meta-device model before allocating it.
-        if not callable(getattr(strategy, "declared_model_runner", None)):
+        if not builds_declared_models(self):
             model.to_empty(device=self.device)
             if self.config.tie_word_embeddings:  # to_empty breaks the tie; restore it
                 model.lm_head.weight = model.embed_tokens.weight
@@ -181,40 +216,20 @@ class CausalLM(pl.LightningModule):
 
     # ------------------------------------------------------------------ steps
 
-    def _global_loss(self, input_ids: Tensor, labels: Tensor, train: bool,
-                     position_ids: Optional[Tensor] = None) -> tuple[Tensor, Tensor, Tensor]:
-        """(loss to backpropagate, global mean loss for logging, global label-token count).
-
-        Each rank backpropagates its label-token sum as its part of the global token mean
-        (:func:`~lightning_hybrid.models.spec.token_mean_loss`, which the pipeline's runner uses per micro-batch).
-        One all-reduce gives both the global sum (for logging) and the global count; ranks that hold the same data
-        (tensor/pipeline peers) are divided out.
-        """
-        pipeline = self._declared_runner()
-        if pipeline is not None:
-            return pipeline(input_ids, labels, train=train, position_ids=position_ids)
-        logits = self.model(input_ids, position_ids)
-        loss_sum, count = self.model.loss_sum(logits, labels)
-        strategy = self.trainer.strategy
-        dp = strategy.distributed_sampler_kwargs["num_replicas"] if strategy.world_size > 1 else 1
-        stats = torch.stack([loss_sum.detach().float(), count.float()])
-        if strategy.world_size > 1:
-            stats = strategy.reduce(stats, reduce_op="sum") * (dp / strategy.world_size)
-        return token_mean_loss(loss_sum, stats[1], dp), token_mean_loss(stats[0], stats[1]), stats[1]
-
     def training_step(self, batch: Any, batch_idx: int) -> Tensor:
         input_ids, labels = split_batch(batch)
-        if self._declared_runner() is None:  # a pipeline weighs its micro-batches' balancing gradients itself
+        if declared_runner(self) is None:  # a pipeline weighs its micro-batches' balancing gradients itself
             for layer in moe_layers(self.model).values():
                 layer.grad_scale = 1.0 / self.trainer.accumulate_grad_batches
-        loss, value, _ = self._global_loss(input_ids, labels, train=True, position_ids=position_ids_of(batch))
+        loss, value, _ = global_token_loss(self, input_ids, labels, train=True, position_ids=position_ids_of(batch))
         self.log("train_loss", value, prog_bar=True)
         self.log("train_ppl", torch.exp(value))
         return loss
 
     def validation_step(self, batch: Any, batch_idx: int) -> None:
         input_ids, labels = split_batch(batch)
-        _, value, count = self._global_loss(input_ids, labels, train=False, position_ids=position_ids_of(batch))
+        _, value, count = global_token_loss(self, input_ids, labels, train=False,
+                                            position_ids=position_ids_of(batch))
         # The value is already the global batch mean; weight it by its tokens for the epoch mean.
         self.val_loss.update(value, weight=count)
 
@@ -226,7 +241,8 @@ class CausalLM(pl.LightningModule):
 
     def test_step(self, batch: Any, batch_idx: int) -> None:
         input_ids, labels = split_batch(batch)
-        _, value, count = self._global_loss(input_ids, labels, train=False, position_ids=position_ids_of(batch))
+        _, value, count = global_token_loss(self, input_ids, labels, train=False,
+                                            position_ids=position_ids_of(batch))
         self.test_loss.update(value, weight=count)
 
     def on_test_epoch_end(self) -> None:
@@ -247,7 +263,7 @@ class CausalLM(pl.LightningModule):
             input_ids = batch[0]
         else:
             input_ids = batch
-        pipeline = self._declared_runner()
+        pipeline = declared_runner(self)
         if pipeline is not None:
             return pipeline.logits(input_ids, position_ids)
         return self.model(input_ids, position_ids)
@@ -255,7 +271,7 @@ class CausalLM(pl.LightningModule):
     def optimizer_zero_grad(self, epoch: int, batch_idx: int, optimizer: Any) -> None:
         # With a pipeline the schedule computes the gradients inside training_step, before Lightning would
         # zero them; the strategy zeroes them after each optimizer step instead.
-        if self._declared_runner() is None:
+        if declared_runner(self) is None:
             super().optimizer_zero_grad(epoch, batch_idx, optimizer)
 
     # ------------------------------------------------------------------ mixture of experts
@@ -268,7 +284,7 @@ class CausalLM(pl.LightningModule):
         if not self.config.has_experts:
             return
         table = step_metrics(moe_layers(self.model), self.config.num_hidden_layers, self.device)
-        strategy = self._strategy()
+        strategy = attached_strategy(self)
         if strategy is not None and strategy.world_size > 1:
             table = strategy.reduce(table, reduce_op="sum")
         values = table[:, :-1] / table[:, -1:].clamp(min=1)

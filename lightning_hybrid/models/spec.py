@@ -21,6 +21,10 @@ __all__ = ["ParallelSpec", "TP_STYLES", "IGNORE_INDEX", "EXPERTS_LAYER", "declar
 # Label value that the loss ignores (padding, prompt tokens), as in torch's cross_entropy and Hugging Face.
 IGNORE_INDEX = -100
 
+# What a LightningModule that declares parallel_spec() also answers: the blocks a pipeline splits and the seed of the
+# mesh-independent initialization (the strategy asks both before it builds the model).
+DECLARED_METHODS = ("num_blocks", "init_seed")
+
 # The tensor-parallel styles a plan may name; the strategy maps them onto torch's TP styles.
 TP_STYLES = ("colwise", "rowwise")
 
@@ -109,14 +113,20 @@ def declared_spec(module: Any) -> Optional[ParallelSpec]:
     attribute that merely answers to the name (a ``Mock``, an instance attribute) declares nothing.
 
     Raises:
-        TypeError: the class defines ``parallel_spec()`` and it returns something else.
+        TypeError: the class defines ``parallel_spec()`` and it returns something else, or lacks one of
+            :data:`DECLARED_METHODS`.
     """
     if not callable(getattr(type(module), "parallel_spec", None)):
         return None
     spec = module.parallel_spec()
+    name = type(module).__name__
     if not isinstance(spec, ParallelSpec):
-        raise TypeError(f"{type(module).__name__}.parallel_spec() returned {type(spec).__name__}, not a ParallelSpec; "
+        raise TypeError(f"{name}.parallel_spec() returned {type(spec).__name__}, not a ParallelSpec; "
                         f"return lightning_hybrid.models.spec.ParallelSpec(...) or remove the method")
+    missing = [method for method in DECLARED_METHODS if not callable(getattr(type(module), method, None))]
+    if missing:
+        raise TypeError(f"{name} declares parallel_spec() but has no {'(), '.join(missing)}(); a declared "
+                        f"LightningModule also needs {'(), '.join(DECLARED_METHODS)}() (docs/custom-models.md)")
     return spec
 
 

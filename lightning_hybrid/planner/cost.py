@@ -33,6 +33,7 @@ from lightning_hybrid.planner.step_time import (
     SELECTIVE_POLICIES,
     block_gemms,
     elementwise_bytes,
+    float8_cast_elements,
     gemm_efficiency,
     gemm_seconds,
     hbm_seconds,
@@ -116,6 +117,18 @@ def _tp_seconds(problem: Problem, layout: Layout, kind: str, nbytes: float) -> f
     return seconds * (problem.time_model.tp_overlap_exposed if problem.runtime.tp_overlap else 1.0)
 
 
+def _float8_cast_seconds(problem: Problem, layout: Layout, tokens: int,
+                         shapes: dict[str, tuple[int, int]]) -> dict[str, float]:
+    """HBM seconds of torchao's dynamic float8 casts of each block linear per micro-batch (0 without float8 or with
+    fused casts): :func:`~lightning_hybrid.planner.step_time.float8_cast_elements` at ``FLOAT8_CAST_BYTES`` each."""
+    rt = problem.runtime
+    if rt.float8 is None or rt.float8_fused_casts:
+        return dict.fromkeys(shapes, 0.0)
+    elements = float8_cast_elements(shapes, tokens, layout.tp, layout.sequence_parallel, rt.float8,
+                                    layout.data_parallel in ("fsdp", "hsdp"))
+    return {name: hbm_seconds(problem, problem.time_model.float8_cast_bytes * e) for name, e in elements.items()}
+
+
 # _block_work's results by (problem, tokens and the layout fields it reads): a search asks for the same block under
 # thousands of candidates that differ only in pp, dp, micro-batching and schedule
 _BLOCK_WORK: dict[tuple, "_Work"] = {}
@@ -125,8 +138,8 @@ _BLOCK_WORK_LIMIT = 65536
 def _block_work(problem: Problem, layout: Layout, tokens: int, sparse: bool = False) -> _Work:
     """One block on one TP rank for a micro-batch of ``tokens`` (see :mod:`~lightning_hybrid.planner.step_time`);
     ``sparse``: a mixture of experts' block (:mod:`~lightning_hybrid.planner.experts`)."""
-    key = (problem, tokens, layout.tp, layout.sequence_parallel, layout.recompute, layout.cp, layout.ep,
-           layout.data_ranks if sparse else 0, sparse)
+    key = (problem, tokens, layout.tp, layout.sequence_parallel, layout.recompute, layout.cp, layout.data_parallel,
+           layout.ep, layout.data_ranks if sparse else 0, sparse)
     work = _BLOCK_WORK.get(key)
     if work is None:
         if len(_BLOCK_WORK) >= _BLOCK_WORK_LIMIT:
@@ -144,7 +157,8 @@ def _compute_block_work(problem: Problem, layout: Layout, tokens: int, sparse: b
     c, rt = problem.config, problem.runtime
     shapes = {name: kn for name, kn in block_gemms(c, layout.tp, rt.fused_projections).items()
               if not (sparse and name in _MLP_GEMMS)}
-    gemms = {name: gemm_seconds(problem, tokens, k, n, float8=True) for name, (k, n) in shapes.items()}
+    casts = _float8_cast_seconds(problem, layout, tokens, shapes)  # in the GEMM's time: recompute replays them too
+    gemms = {name: gemm_seconds(problem, tokens, k, n, float8=True) + casts[name] for name, (k, n) in shapes.items()}
     attention_flops = 12 * tokens * c.num_attention_heads * c.head_dim / layout.tp * problem.seq_len
     attention = attention_flops / (problem.hw.peak_flops(problem.precision) * problem.time_model.attention_efficiency)
     replayed_attention = attention / 3  # what a full recompute of the block adds

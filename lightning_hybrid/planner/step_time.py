@@ -9,7 +9,9 @@ fitted on published runs (``benchmarks/planner_published.py``; ``docs/planner.md
 * GEMMs: every matmul of a block (q, k, v, o, gate, up, down) and the head at its TP-local shape
   ``tokens x in x out``, forward and backward ``6 x tokens x in x out`` FLOPs, at ``peak x`` :func:`gemm_efficiency`
   of its smallest dimension: ``e_max x d / (d + knee)``; attention ``12 L hq T`` FLOPs (causal half not
-  subtracted) at ``peak x ATTENTION_EFFICIENCY``.
+  subtracted) at ``peak x ATTENTION_EFFICIENCY``. Float8 block GEMMs run at the fp8 peak x
+  ``FLOAT8_GEMM_EFFICIENCY[recipe]`` x the same knee, plus torchao's dynamic casts as HBM traffic
+  (:func:`float8_cast_elements` x ``FLOAT8_CAST_BYTES``; none with Transformer Engine's fused casts).
 * elementwise work (norms, rotary, SiLU, residual adds, casts): bytes moved per token and block
   (:func:`elementwise_bytes`, counted op by op for this implementation, or once per fused region with
   ``torch.compile``/fused kernels) at ``HBM bandwidth x HBM_EFFICIENCY``; backward moves
@@ -53,38 +55,52 @@ if TYPE_CHECKING:
 __all__ = ["Hardware", "Runtime", "TimeModel", "SELECTIVE_POLICIES", "collective_seconds", "gemm_efficiency",
            "block_gemms", "elementwise_bytes", "gemm_seconds", "hbm_seconds", "GEMM_PEAK_EFFICIENCY", "GEMM_KNEE",
            "TP_OVERLAP_EXPOSED", "ATTENTION_EFFICIENCY", "HBM_EFFICIENCY", "ELEMENTWISE_BACKWARD",
-           "FLOAT8_GEMM_EFFICIENCY"]
+           "FLOAT8_GEMM_EFFICIENCY", "FLOAT8_CAST_BYTES", "float8_cast_elements"]
 
 # ----------------------------------------------------------------------------- constants
 # Fitted on the published runs of benchmarks/planner_published.py (least squares on log MFU; the leave-one-out
 # errors are printed there and listed in docs/planner.md). Each is a property of the GPU's matmul kernels or of
 # the overlap machinery, not of one run.
-GEMM_PEAK_EFFICIENCY = 0.641
+GEMM_PEAK_EFFICIENCY = 0.6935
 """Fraction of the dense peak a large bf16 GEMM sustains in training (fitted; cuBLAS reaches 0.7-0.8 of the H100
-peak on 8192^3 at 700 W)."""
-GEMM_KNEE = 616.0
+peak on 8192^3 at 700 W; a 4096-wide GEMM gets 0.6935 x 4096 / (4096 + 641) = 0.60)."""
+GEMM_KNEE = 641.0
 """A GEMM whose smallest dimension is ``d`` reaches ``d / (d + GEMM_KNEE)`` of :data:`GEMM_PEAK_EFFICIENCY` (fitted):
 tile quantization and too few tiles to fill the SMs make skinny TP-local matmuls slower."""
-TP_OVERLAP_EXPOSED = 0.075
+TP_OVERLAP_EXPOSED = 0.238
 """Fraction of the TP collectives still exposed when they are overlapped with the GEMMs (torch async TP,
-Megatron's --tp-comm-overlap; fitted: torchtitan measured async TP 1.09-1.10x faster than vanilla TP)."""
-# Taken from sources, not fitted.
+Megatron's --tp-comm-overlap; fitted: torchtitan measured async TP 1.09-1.10x faster than vanilla TP, at Llama 3 8B
+too, where the GEMMs are short; 0.075 before the HBM efficiency was fitted with it)."""
+# Taken from sources, not fitted (HBM_EFFICIENCY below is fitted with the constants above).
 ATTENTION_EFFICIENCY = 0.6
 """Fraction of the peak attention reaches on the planner's count ``12 L hq T`` (the causal half not subtracted):
 FlashAttention-2 runs forward + backward at up to 335 TFLOP/s on an H100 counting only the causal half it
 computes (Dao 2023, sec. 4), i.e. 0.6-0.68 of the 989 TFLOP/s peak on the full count."""
-HBM_EFFICIENCY = 0.8
-"""Fraction of the HBM bandwidth elementwise kernels reach (STREAM-like copies reach 0.8-0.9 on H100)."""
+HBM_EFFICIENCY = 0.542
+"""Fraction of the HBM bandwidth the elementwise kernels (norms, rotary, SiLU, residual adds, casts, the loss) reach,
+fitted with the three constants above on the bf16 rows (STREAM-like copies reach 0.8-0.9 on H100; these kernels are
+short, reduce along rows and run one after another). It sets how much more of a small model's step is elementwise
+work (its bytes grow with ``h``, its GEMM FLOPs with ``h^2``): at 0.8 (taken from copies before issue #49) Llama 3 8B
+rows came out 3-10% fast and 70B-405B rows 2-7% slow."""
 ELEMENTWISE_BACKWARD = 2.0
 """Backward of an elementwise op moves about twice its forward's bytes: it reads the output gradient and the saved
 inputs and writes the input gradients (unary: 3 tensors vs 2; binary: 5 vs 3), plus the residual gradient adds."""
-FLOAT8_GEMM_EFFICIENCY = {"tensorwise": 0.447, "rowwise": 0.279, "mxfp8": 0.423}
-"""Fraction of the dense fp8 peak a large float8 block GEMM sustains in training with torchao, dynamic casts and
-scales included (fitted per recipe on torchtitan's H100 float8 rows without context parallelism in
-``benchmarks/planner_published.py``: Llama 3 8B, 70B and 405B; mxfp8 on its published B200 speedup over bf16, 1.20x,
-in torchtitan's mxfp8.md). The head and attention stay at the bf16 peak. Rowwise is low: torchtitan's rowwise rows ran
-no faster than bf16 (pytorch/torchtitan#1207). Transformer Engine's fused casts reach more (0.65 tensorwise, fitted on
-Megatron-Bridge's rows there); the planner predicts torchao, our runtime."""
+FLOAT8_GEMM_EFFICIENCY = {"tensorwise": 0.576, "rowwise": 0.370, "mxfp8": 0.592}
+"""Fraction of the dense fp8 peak a large float8 block GEMM sustains in training with torchao (fitted per recipe on
+torchtitan's H100 float8 rows without context parallelism in ``benchmarks/planner_published.py``: Llama 3 8B, 70B and
+405B; mxfp8 on its published B200 speedup over bf16, 1.20x, in torchtitan's mxfp8.md). The dynamic casts are not in
+it: they are HBM traffic of their own (:data:`FLOAT8_CAST_BYTES`), which is what makes float8 gain less on small
+TP-local GEMMs (torchtitan: Llama 3 8B at tp=8 1.16x over bf16, 70B 1.39x). A 4096-wide tensorwise GEMM gets
+0.576 x 4096 / (4096 + 641) = 0.50 of the fp8 peak, 1.66x the bf16 GEMM's 0.60 of the bf16 peak. The head and
+attention stay at the bf16 peak. Rowwise is low: torchtitan's rowwise rows ran no faster than bf16
+(pytorch/torchtitan#1207). Transformer Engine (fused casts, no cast traffic) reaches 0.69 tensorwise, fitted on
+Megatron-Bridge's rows there; the planner predicts torchao, our runtime."""
+FLOAT8_CAST_BYTES = 7
+"""HBM bytes per element that torchao's dynamic float8 scaling moves around a block linear, for its input
+(``tokens x in``), its output gradient (``tokens x out``) and, unless FSDP's float8 all-gather casts them once per
+gather, its weight (``in x out``), per micro-batch: the amax read (2, bf16), the cast (read 2, write 1) and the
+transposed fp8 copy the other backward GEMM reads (read 1, write 1). Counted, not fitted. Transformer Engine fuses
+the amax and the cast into the neighbouring kernels (``Runtime.float8_fused_casts``): no extra bytes."""
 AUTOCAST_WEIGHT_CAST_BYTES = 6
 """Autocast casts each fp32 matmul weight to bf16 once per forward (reads 4 bytes, writes 2)."""
 
@@ -149,6 +165,9 @@ class Runtime:
             project's (K/V all-gathered at their own heads, fp32 matmuls block by block under checkpointing);
             ``"gather"``, Llama 3's (the same all-gather, a fused attention kernel); ``"rotate"``, torch's
             ``context_parallel`` ring as torchtitan runs it (K/V repeated to the query heads, one step at a time).
+        float8_fused_casts: the float8 amax and casts are fused into the neighbouring kernels (Transformer Engine);
+            ``False``: torchao's dynamic scaling moves :data:`FLOAT8_CAST_BYTES` per element of each block linear's
+            input, output gradient and weight as separate (compiled) kernels.
         pipeline_keeps_outputs: memory, not time: the last pipeline stage keeps every micro-batch's logits until
             the step ends (torch's ``schedule.step()`` does, to return them, unless ``return_outputs=False``, which
             this project's ``PipelineRunner`` passes), not only those in flight.
@@ -165,6 +184,7 @@ class Runtime:
     fused_projections: bool = True
     ring_attention: str = "blockwise"
     pipeline_keeps_outputs: bool = False
+    float8_fused_casts: bool = False
 
 
 @dataclass(frozen=True)
@@ -176,6 +196,7 @@ class TimeModel:
     attention_efficiency: float = ATTENTION_EFFICIENCY
     hbm_efficiency: float = HBM_EFFICIENCY
     float8_efficiency: Optional[float] = None  # None: FLOAT8_GEMM_EFFICIENCY of the runtime's recipe
+    float8_cast_bytes: float = FLOAT8_CAST_BYTES
 
 
 def gemm_efficiency(peak_efficiency: float, knee: float, m: int, k: int, n: int) -> float:
@@ -198,6 +219,32 @@ def block_gemms(config: Qwen2Config, tp: int, fused: bool = False) -> dict[str, 
         return {"qkv": (h, q + 2 * kv), "o": (q, h), "gate_up": (h, 2 * inter), "down": (inter, h)}
     return {"q": (h, q), "k": (h, kv), "v": (h, kv), "o": (q, h), "gate": (h, inter), "up": (h, inter),
             "down": (inter, h)}
+
+
+# Block linears that read the same input: their float8 cast of it is one (torch.compile merges the identical casts;
+# torchao's float8 TP casts the shared input once before its all-gather)
+_SHARED_INPUT = (("q", "k", "v"), ("gate", "up"))
+
+
+def float8_cast_elements(shapes: dict[str, tuple[int, int]], tokens: int, tp: int, sequence_parallel: bool,
+                         recipe: str, fsdp: bool) -> dict[str, float]:
+    """Elements torchao's dynamic float8 scaling casts per micro-batch for each block linear (``shapes``: the
+    ``(in, out)`` of :func:`block_gemms`), each costing :data:`FLOAT8_CAST_BYTES` of HBM traffic.
+
+    The output gradient (``tokens x out``), the input (``tokens x in``, once for linears that share it, on the
+    sequence shard under tensorwise TP with sequence parallel, whose all-gather then moves float8), and the weight
+    (``in x out``) unless FSDP's float8 all-gather (tensorwise) casts it once per gather.
+    """
+    shared = {name: group[0] for group in _SHARED_INPUT for name in group if name in shapes}
+    sharded_input = tp if sequence_parallel and tp > 1 and recipe == "tensorwise" else 1
+    out = {}
+    for name, (k, n) in shapes.items():
+        own_input = shared.get(name, name) == name
+        colwise = name not in ("o", "down")  # a rowwise linear's input is already TP-local
+        input_elements = tokens * k / (sharded_input if colwise else 1) if own_input else 0.0
+        weight = 0.0 if fsdp and recipe == "tensorwise" else k * n
+        out[name] = tokens * n + input_elements + weight
+    return out
 
 
 def elementwise_bytes(config: Qwen2Config, tp: int, sequence_parallel: bool, compute: int, residual: int,

@@ -11,7 +11,10 @@ difference (Llama 3 8B at tp=8: o's GEMM is shorter than its reduce-scatter); at
 alone (torch's ``micro_pipeline_tp`` pass fuses a reduce-scatter with the one matmul that produces its input, an
 all-gather with the matmuls that consume it): the backward reduce-scatter of the input gradient of unfused q/k/v
 (or gate/up), a sum of three (two) matmuls; and under rowwise or MXFP8 float8, whose TP stays in bf16 (torchtitan and
-``distributed/float8.py``), every all-gather, whose consumers are float8 casts.
+``distributed/float8.py``), every all-gather, whose consumers are float8 casts. Under tensorwise float8 with sequence
+parallelism the forward all-gathers in front of q/k/v and gate/up move float8, one byte per element (torchao's
+float8 TP styles cast the sequence shard, then gather it); their backward reduce-scatters and the other pair stay
+in bf16.
 """
 
 from __future__ import annotations
@@ -42,13 +45,16 @@ def tp_block_seconds(problem: Problem, layout: Layout, nbytes: float, all_reduce
     """
     if layout.tp == 1:
         return 0.0, 0.0
-    plain = all_reduces * _collective(problem, layout, "all_reduce", nbytes)
+    half = _collective(problem, layout, "all_gather", nbytes)  # an SP all-gather or reduce-scatter of the stream
+    # the forward all-gathers feeding q/k/v and gate/up in float8 (tensorwise + sequence parallel): half the bytes
+    float8_gather = _collective(problem, layout, "all_gather", nbytes / 2) if (
+        layout.sequence_parallel and problem.runtime.float8 == "tensorwise") else half
+    plain = all_reduces * _collective(problem, layout, "all_reduce", nbytes) - 2 * (half - float8_gather)
     if not problem.runtime.tp_overlap:
         return plain, 1.0
     floor = problem.time_model.tp_overlap_exposed
     if not layout.sequence_parallel or not plain:
         return plain * floor, floor
-    half = _collective(problem, layout, "all_gather", nbytes)  # an SP all-gather or reduce-scatter of the stream
     # rowwise and MXFP8 float8 keep TP in bf16: a gathered tensor feeds float8 casts, not the matmuls
     gathers_fuse = problem.runtime.float8 in (None, "tensorwise")
     exposed = 0.0
@@ -56,11 +62,12 @@ def tp_block_seconds(problem: Problem, layout: Layout, nbytes: float, all_reduce
         if any(name not in gemms for name in group):  # a sparse block's experts: one all-gather each way, unfused
             exposed += half
             continue
-        hidden = max(half - sum(gemms[name] for name in group) / 3, floor * half)
-        gather = hidden if gathers_fuse else half
+        alone = float8_gather if i % 2 == 0 else half  # the forward all-gather of groups 0 and 2, or a reduce-scatter
+        hidden = max(alone - sum(gemms[name] for name in group) / 3, floor * alone)
+        gather = hidden if gathers_fuse else alone
         # the input gradient of several matmuls (unfused q/k/v, gate/up) is their sum, which no single matmul
         # produces: its reduce-scatter runs alone
-        scatter = hidden if len(group) == 1 else half
+        scatter = max(half - sum(gemms[name] for name in group) / 3, floor * half) if len(group) == 1 else half
         # groups alternate: matmuls fed by an all-gather (forward; their input gradient reduce-scattered in
         # backward), then one feeding a reduce-scatter (forward; its output gradient all-gathered in backward)
         exposed += gather + scatter
