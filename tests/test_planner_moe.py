@@ -36,6 +36,8 @@ def test_plan_answers_for_the_qwen3_moe_presets_with_total_and_active_parameters
     assert head.split()[:6] == ["#", "tp", "cp", "pp", "dp", "ep"] and "a2a" in head
     first = next(line for line in out.splitlines() if line.lstrip().startswith("1 "))
     assert int(first.split()[5]) == ep  # the chosen layout's ep (qwen3-235b-a22b on 64 B300: ep=8 in a node)
+    recipe = next(line for line in out.splitlines() if line.startswith("the fastest as a recipe:"))
+    assert f", ep: {ep}," in recipe and "data.init_args.batch_size:" in recipe
     assert "exposed EP" in out and "uniform routing" in out and "not measured on hardware" in out
 
 
@@ -132,3 +134,25 @@ def test_a_sparse_blocks_saved_bytes_per_token_equal_the_dry_runs_trace(recomput
 
     planned = activation_model(Qwen2Config.resolve("tiny-moe"), 1, False, recompute, "32-true", 128, ep=ep)
     assert 0 <= TRACED_SPARSE_BLOCK[(recompute, ep)] - planned.sparse_layer < 1, planned.sparse_layer
+
+
+def test_op_selective_recompute_with_ep_spanning_the_data_ranks_is_refused_and_not_planned() -> None:
+    """ep = dp x cp leaves each rank's experts an FSDP2 unit over one rank, which torch's selective checkpoint cannot
+    replay (the dry run found it; the real tiny-moe run at ep=2 x dp=2 failed alike in backward): the strategy refuses
+    it in one line before any collective, and the planner does not plan it."""
+    from lightning_hybrid.distributed.option_checks import check_options
+    from lightning_hybrid.distributed.options import ParallelOptions
+    from lightning_hybrid.models.qwen2.config import parallel_spec
+    from lightning_hybrid.planner.layout import Choices, layouts
+
+    spec = parallel_spec(Qwen2Config.resolve("tiny-moe"))
+    with pytest.raises(ValueError, match=r"^ep=2 = dp x cp=2 with activation_checkpointing='selective'"):
+        check_options(ParallelOptions(ep=2, activation_checkpointing="selective"), 2, None, spec, 4, "32-true", "x")
+    for fine in (dict(ep=2, activation_checkpointing="full"), dict(ep=2, activation_checkpointing="selective",
+                                                                     selective_ac="attention")):
+        check_options(ParallelOptions(**fine), 2, None, spec, 4, "32-true", "x")
+    check_options(ParallelOptions(ep=2, activation_checkpointing="selective"), 4, None, spec, 4, "32-true", "x")
+    choices = Choices(modes=(("fsdp", 0),), microbatches=(1,), stages=(("none", 1),),
+                      recompute=("none", "selective", "full"))
+    assert [x.recompute for x in layouts(1, 1, 2, 4, choices, ep=2)] == ["none", "full"]
+    assert [x.recompute for x in layouts(1, 1, 4, 4, choices, ep=2)] == ["none", "selective", "full"]

@@ -28,7 +28,7 @@ from lightning_hybrid.planner.recipe_cli import (
     run_recipe_plan,
 )
 from lightning_hybrid.planner.recipe_plan import FLOAT8_OFF
-from lightning_hybrid.planner.report import explain_time, format_table, gpu_figures
+from lightning_hybrid.planner.report import explain_time, format_table, gpu_figures, strategy_arguments
 from lightning_hybrid.planner.runtime import runtime_features, runtime_from_options
 from lightning_hybrid.planner.search import explain, search
 from lightning_hybrid.planner.step_time import GEMM_PEAK_EFFICIENCY, Hardware
@@ -232,6 +232,7 @@ def run_plan(argv: Optional[list[str]] = None) -> int:
                "seq_len": p.seq_len, "global_batch": p.global_batch, "precision": p.precision,
                "optimizer": p.optimizer, "assumptions": assumptions(p),
                "layouts": [e.to_dict() for e in feasible], "feasible_count": len(feasible),
+               "fastest_strategy_arguments": strategy_arguments(feasible[0].layout) if feasible else None,
                "infeasible": [e.to_dict() for e in infeasible], "explanations": explanations,
                "step_time_explained": [dict(e.to_dict(), lines=explain_time(e)) for e in timed],
                "checkpoint": checkpoint, "message": message or None, "runtime": runtime_features(p.runtime)}
@@ -267,6 +268,11 @@ def _print_report(p: Problem, top: int, feasible: list[Estimate], infeasible: li
         print(f"\n{len(feasible)} layouts fit; the fastest {min(top, len(feasible))} "
               "(memory in GB on the fullest rank, time in s per optimizer step):")
         print(format_table(feasible[:top]))
+        args = strategy_arguments(feasible[0].layout)
+        data = {k: args.pop(k) for k in ("batch_size", "accumulate_grad_batches") if k in args}
+        print("the fastest as a recipe: trainer.strategy.init_args " + ", ".join(f"{k}: {v}" for k, v in args.items())
+              + "; " + ", ".join(f"{'trainer' if k.startswith('acc') else 'data.init_args'}.{k}: {v}"
+                                 for k, v in data.items()))
     if timed:
         print("\nruntime features: " + ", ".join(f"{name} {'on' if on else 'off'}"
                                                  for name, on in runtime_features(p.runtime).items()))

@@ -49,7 +49,8 @@ from typing import Any
 
 from lightning_hybrid.distributed.parallel_dims import divisors
 
-__all__ = ["is_moe", "sparse_flags", "ep_sizes", "ep_reason", "all_to_all_buffer", "all_to_all_leaving",
+__all__ = ["is_moe", "sparse_flags", "ep_sizes", "ep_reason", "selective_recompute_reason", "all_to_all_buffer",
+           "all_to_all_leaving",
            "expert_gemms", "expert_saved_bytes", "expert_elementwise_bytes", "INDEX_BYTES", "LOAD_STAT_BYTES"]
 
 INDEX_BYTES = 8  # an int64 index (topk's choice, the rows' order, the dispatch permutation)
@@ -87,6 +88,22 @@ def ep_reason(config: Any, ep: int, dp: int, data_parallel: str) -> str:
         return f"ep={ep} does not divide num_experts={config.num_experts}"
     if data_parallel != "fsdp":
         return f"ep={ep} needs data_parallel='fsdp' (the experts are sharded by FSDP2), not {data_parallel!r}"
+    return ""
+
+
+def selective_recompute_reason(ep: int, data_ranks: int, recompute: str, selective_ac: Any = "op") -> str:
+    """Why the op-level selective recompute cannot run with this ep (``''`` when it can): with ``ep = dp x cp`` each
+    rank's experts are an FSDP2 unit over one rank, inside the recomputed block; its hooks enter torch's profiler
+    (``record_function``) a different number of times in the forward and in its recompute (the recompute re-roots the
+    unit: ``FSDP::root_pre_forward``), and torch's selective checkpoint, which replays the forward op by op, refuses
+    that in backward ("invocation index 2 encountered during backward but not found in storage"). Found by the dry
+    run; the real run fails alike (ep=2 x dp=2, tiny-moe). Full recompute (plain checkpointing) and the per-block
+    modes run."""
+    if ep > 1 and data_ranks == ep and recompute == "selective" and selective_ac == "op":
+        return (f"ep={ep} = dp x cp={data_ranks} with activation_checkpointing='selective' (selective_ac='op') is not "
+                f"supported: each rank's experts are an FSDP2 unit over one rank, whose hooks differ between the "
+                f"forward and its recompute, which torch's selective checkpoint refuses; use ep < dp x cp, "
+                f"activation_checkpointing='full' or 'none', or selective_ac='attention'")
     return ""
 
 

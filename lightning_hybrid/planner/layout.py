@@ -14,7 +14,7 @@ from typing import Iterator, Optional
 from lightning_hybrid.distributed.parallel_dims import divisors, tied_embedding_error
 from lightning_hybrid.distributed.pipeline.schedules import validate_schedule
 from lightning_hybrid.models.qwen2.config import Qwen2Config
-from lightning_hybrid.planner.experts import ep_reason
+from lightning_hybrid.planner.experts import ep_reason, selective_recompute_reason
 from lightning_hybrid.planner.step_time import Hardware, Runtime, TimeModel
 
 __all__ = ["Layout", "Estimate", "Problem", "Choices", "layout_reason", "mesh_sizes", "context_sizes",
@@ -223,6 +223,8 @@ def layouts(tp: int, pp: int, dp: int, per_replica: int, choices: Choices, cp: i
                 if pp > 1 and not schedule_fits(schedule, pp, v, m):
                     continue
                 for recompute in choices.recompute:
+                    if selective_recompute_reason(ep, dp * cp, recompute):
+                        continue  # the strategy refuses it (planner/experts.py)
                     for sp in choices.sequence_parallel:
                         yield Layout(tp, pp, dp, mode, per_replica // m, m, schedule, v, recompute, sp, cp, shard,
                                      ep)

@@ -5,7 +5,7 @@ from __future__ import annotations
 from lightning_hybrid.hardware import GPU
 from lightning_hybrid.planner.layout import Estimate, Layout
 
-__all__ = ["gpu_figures", "format_table", "explain_time"]
+__all__ = ["gpu_figures", "format_table", "explain_time", "strategy_arguments"]
 
 
 def gpu_figures(gpu: GPU) -> dict[str, object]:
@@ -75,3 +75,22 @@ def explain_time(e: Estimate) -> list[str]:
              f"{e.tokens_per_second:,.0f} tokens/s"]
     lines += [f"  {name:<11} {sec:>7.2f} s {sec / step:>6.1%}  {why}" for name, sec, why in rows]
     return lines
+
+
+def strategy_arguments(layout: Layout) -> dict[str, object]:
+    """The ``HybridParallelStrategy`` arguments (a recipe's ``trainer.strategy.init_args``) that run ``layout``, and
+    the recipe's ``data.batch_size`` (sequences per dp rank and step) under ``"batch_size"``."""
+    args: dict[str, object] = {"tp": layout.tp, "cp": layout.cp, "pp": layout.pp, "dp": layout.dp, "ep": layout.ep,
+                               "data_parallel": layout.data_parallel if layout.dp > 1 else "fsdp",
+                               "sequence_parallel": layout.sequence_parallel,
+                               "activation_checkpointing": layout.recompute}
+    if layout.data_parallel == "hsdp":
+        args["dp_shard"] = layout.dp_shard
+    if layout.pp > 1:
+        args.update(pp_schedule=layout.schedule, virtual_stages=layout.virtual_stages, microbatches=layout.microbatches)
+    # without a pipeline a step is one batch per dp rank; more micro-batches are Lightning's gradient accumulation
+    per_rank = layout.micro_batch_size * (layout.microbatches if layout.pp > 1 else 1)
+    args["batch_size"] = per_rank
+    if layout.pp == 1 and layout.microbatches > 1:
+        args["accumulate_grad_batches"] = layout.microbatches
+    return args
