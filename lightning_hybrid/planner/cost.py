@@ -18,6 +18,7 @@ from lightning_hybrid.planner.collectives import fsdp_block_gathers, tp_all_redu
 from lightning_hybrid.planner.context_parallel import blockwise_attention_seconds, cp_block_seconds
 from lightning_hybrid.planner.expert_time import ExpertTime, expert_time
 from lightning_hybrid.planner.experts import expert_gemms, is_moe
+from lightning_hybrid.planner.kernels import gemm_seconds, hbm_seconds
 from lightning_hybrid.planner.layout import Estimate, Layout, Problem
 from lightning_hybrid.planner.layout_memory import (
     LOW_PRECISION_BYTES,
@@ -35,8 +36,6 @@ from lightning_hybrid.planner.step_time import (
     elementwise_bytes,
     float8_cast_elements,
     gemm_efficiency,
-    gemm_seconds,
-    hbm_seconds,
 )
 from lightning_hybrid.planner.tp_comm import tp_block_seconds
 

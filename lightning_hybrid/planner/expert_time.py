@@ -14,8 +14,8 @@ from lightning_hybrid.planner.experts import (
     expert_elementwise_bytes,
     expert_gemms,
 )
+from lightning_hybrid.planner.kernels import gemm_seconds
 from lightning_hybrid.planner.layout import Layout, Problem
-from lightning_hybrid.planner.step_time import gemm_seconds
 
 __all__ = ["ExpertTime", "expert_time", "ep_spans_nodes"]
 

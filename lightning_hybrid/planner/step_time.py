@@ -44,16 +44,13 @@ link_efficiency``.
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
-from typing import TYPE_CHECKING, Optional
+from typing import Optional
 
 from lightning_hybrid.hardware import GPU, NETWORK_LATENCY_S, NVLINK_LATENCY_S
 from lightning_hybrid.models.qwen2.config import Qwen2Config
 
-if TYPE_CHECKING:
-    from lightning_hybrid.planner.layout import Problem
-
 __all__ = ["Hardware", "Runtime", "TimeModel", "SELECTIVE_POLICIES", "collective_seconds", "gemm_efficiency",
-           "block_gemms", "elementwise_bytes", "gemm_seconds", "hbm_seconds", "GEMM_PEAK_EFFICIENCY", "GEMM_KNEE",
+           "block_gemms", "elementwise_bytes", "GEMM_PEAK_EFFICIENCY", "GEMM_KNEE",
            "TP_OVERLAP_EXPOSED", "ATTENTION_EFFICIENCY", "HBM_EFFICIENCY", "ELEMENTWISE_BACKWARD",
            "FLOAT8_GEMM_EFFICIENCY", "FLOAT8_CAST_BYTES", "float8_cast_elements"]
 
@@ -372,25 +369,3 @@ def collective_seconds(kind: str, nbytes: float, ranks: int, bus_bandwidth: floa
               "reduce_scatter": (ranks - 1) / ranks, "all_to_all": (ranks - 1) / ranks, "p2p": 1.0}[kind]
     return latency + nbytes * factor / bus_bandwidth
 
-
-def gemm_seconds(problem: "Problem", tokens: float, k: int, n: int, float8: bool = False) -> float:
-    """Forward and backward of a ``tokens x k`` by ``k x n`` matmul: ``6 tokens k n`` FLOPs at its efficiency (a
-    float8 block GEMM at the fp8 peak and the recipe's efficiency).
-
-    Raises:
-        ValueError: float8 on a GPU whose table lists no fp8 peak.
-    """
-    hw, recipe = problem.hw, problem.runtime.float8
-    if float8 and recipe is not None:
-        peak = problem.time_model.float8_efficiency or FLOAT8_GEMM_EFFICIENCY[recipe]
-        if hw.gpu.peak.fp8 is None:
-            raise ValueError(f"GPU {hw.gpu.name} lists no fp8 peak; plan it without float8")
-        efficiency = gemm_efficiency(peak, problem.time_model.gemm_knee, tokens, k, n)
-        return 6 * tokens * k * n / (hw.gpu.peak.fp8 * efficiency)
-    efficiency = gemm_efficiency(hw.compute_efficiency, problem.time_model.gemm_knee, tokens, k, n)
-    return 6 * tokens * k * n / (hw.peak_flops(problem.precision) * efficiency)
-
-
-def hbm_seconds(problem: "Problem", nbytes: float) -> float:
-    """Seconds to move ``nbytes`` through HBM at ``TimeModel.hbm_efficiency`` of its bandwidth."""
-    return nbytes / (problem.hw.gpu.hbm_tbs * 1e12 * problem.time_model.hbm_efficiency)
