@@ -17,6 +17,12 @@ experts at a Qwen3-30B-A3B-sized expert (2048 x 768), outputs and gradients comp
 ``benchmarks/gpu_smoke.sh``'s ``moe`` step (not run on hardware yet).
 
 On a 2-core machine the 4 processes share 2 cores: compare the ratios, not the absolute times.
+
+``--planner`` (no processes, no torch; also printed after the measurement): the planner's predicted step time, tokens
+per second per GPU and MFU for Qwen3-30B-A3B and Qwen3-235B-A22B on 64 and 128 H100 and B300 (bf16-mixed, sequences
+of 4,096 tokens, 1,024 per step: this project's runtime), and beside Megatron-Bridge's published figures for those
+models the planner's prediction for the same GPU type, GPU count, global batch and sequence length, with what else
+differs (:data:`PUBLISHED`, cited there).
 """
 
 from __future__ import annotations
@@ -113,6 +119,75 @@ def grouped_check() -> None:
         raise SystemExit(f"grouped GEMM differs from the loop by {worst:.2e}")
 
 
+# Megatron-Bridge's published pre-training throughput of the two models on the GPUs the planner plans for (H100, B300):
+# docs/performance-summary-archive.md of github.com/NVIDIA-NeMo/Megatron-Bridge at commit 067f987df03b (2026-08-22;
+# https://docs.nvidia.com/nemo/megatron-bridge/latest/performance-summary-archive.html), the newest container listing
+# each system: "26.06 NeMo Container" for Qwen3_30B_a3B, "26.04.01 NeMo Container" for Qwen3_235B_a22B (26.06 and the
+# current 26.08 table, docs/performance-summary.md, list GB300 and GB200 only for it). Their note: "In MoE training
+# benchmarks, we force-balance the token distribution among experts and all benchmarks are token-dropless" (the
+# planner's uniform routing). Columns: GPUs, precision, GBS, MBS, sequence length, TP, PP, CP, VP, EP, tokens/s/GPU,
+# model TFLOP/s/GPU.
+PUBLISHED = [
+    ("qwen3-30b-a3b", "b300", "26.06", 8, "MXFP8", 512, 8, 4096, 1, 1, 1, None, 8, 40769, 938),
+    ("qwen3-30b-a3b", "h100", "26.06", 16, "FP8", 1024, 1, 4096, 1, 1, 1, None, 16, 8826, 203),
+    ("qwen3-235b-a22b", "b300", "26.04.01", 256, "MXFP8", 8192, 2, 4096, 1, 8, 1, None, 8, 5936, 878),
+    ("qwen3-235b-a22b", "h100", "26.04.01", 256, "FP8", 8192, 1, 4096, 2, 8, 1, 4, 32, 1712, 253),
+]
+PLANNED = [(model, gpu, gpus) for model in ("qwen3-30b-a3b", "qwen3-235b-a22b") for gpu in ("h100", "b300")
+           for gpus in (64, 128)]
+
+
+def _plan(model: str, gpu: str, gpus: int, global_batch: int = 1024, seq_len: int = 4096):
+    """The planner's fastest layout (an ``Estimate``) for the question, or ``None`` when nothing fits."""
+    from lightning_hybrid.planner.cli import build_parser, build_problem
+    from lightning_hybrid.planner.search import search
+
+    args = ["--model", model, "--gpus", str(gpus), "--gpu", gpu, "--seq-len", str(seq_len),
+            "--global-batch", str(global_batch)]
+    feasible, _ = search(build_problem(build_parser().parse_args(args)))
+    return feasible[0] if feasible else None
+
+
+def _layout(e) -> str:
+    L = e.layout
+    schedule = f" {L.schedule}" + (f" v{L.virtual_stages}" if L.virtual_stages > 1 else "") if L.pp > 1 else ""
+    mode = f"hsdp/{L.dp_shard}" if L.data_parallel == "hsdp" else L.data_parallel
+    return (f"TP{L.tp} PP{L.pp} DP{L.dp} EP{L.ep} {mode}{schedule}, MBS {L.micro_batch_size}, "
+            f"recompute {L.recompute}")
+
+
+def planner_tables() -> None:
+    """The planner's predictions (markdown), beside Megatron-Bridge's published figures."""
+    print("Predicted by the planner (not measured): bf16-mixed, seq 4096, global batch 1024 (4.19M tokens), this "
+          "project's runtime defaults (eager: torch.compile is refused with experts; all-to-alls exposed)")
+    print("| model | GPUs | planner's layout | step (s) | tokens/s/GPU | MFU | memory (GB) |")
+    print("| --- | --- | --- | --- | --- | --- | --- |")
+    for model, gpu, gpus in PLANNED:
+        e = _plan(model, gpu, gpus)
+        if e is None:
+            print(f"| {model} | {gpus} x {gpu.upper()} | nothing fits | - | - | - | - |")
+            continue
+        print(f"| {model} | {gpus} x {gpu.upper()} | {_layout(e)} | {e.time['step']:.2f} | "
+              f"{e.tokens_per_second / gpus:,.0f} | {e.mfu:.1%} | {e.memory['total'] / 1e9:.0f} |")
+    print("\nMegatron-Bridge published (docs/performance-summary-archive.md @ 067f987df03b) beside the planner's "
+          "prediction for the same GPU type, GPU count, global batch and sequence length")
+    print("| model | Megatron-Bridge: container, GPUs, precision, GBS, MBS, seq, TP/PP/CP/VP/EP | tokens/s/GPU | "
+          "TFLOP/s/GPU | planner (bf16-mixed) at that question: layout | tokens/s/GPU | MFU | differs |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- |")
+    for model, gpu, version, gpus, precision, gbs, mbs, seq, tp, pp, cp, vp, ep, tokens, tflops in PUBLISHED:
+        e = _plan(model, gpu, gpus, gbs, seq)
+        theirs = (f"{version}, {gpus} x {gpu.upper()}, {precision}, GBS {gbs}, MBS {mbs}, seq {seq}, "
+                  f"TP{tp}/PP{pp}/CP{cp}/VP{vp or '-'}/EP{ep}")
+        ours = (f"{_layout(e)} | {e.tokens_per_second / gpus:,.0f} | {e.mfu:.1%}" if e is not None
+                else "nothing fits | - | -")
+        differs = [f"precision {precision} vs bf16-mixed (no float8 experts here)"]
+        if e is not None and (e.layout.tp, e.layout.pp, e.layout.ep, e.layout.micro_batch_size) != (tp, pp, ep, mbs):
+            differs.append(f"layout TP{tp} PP{pp} EP{ep} MBS {mbs} vs the planner's")
+        differs.append("stack: Transformer Engine fused kernels, grouped GEMM, overlapped all-to-all vs eager ops, "
+                       "exposed all-to-all")
+        print(f"| {model} | {theirs} | {tokens:,} | {tflops} | {ours} | {'; '.join(differs)} |")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--steps", type=int, default=6, help="measured steps after warm-up")
@@ -120,6 +195,8 @@ def main() -> None:
     parser.add_argument("--seq-len", type=int, default=128)
     parser.add_argument("--global-batch", type=int, default=16)
     parser.add_argument("--grouped-check", action="store_true", help="grouped GEMM vs loop on CUDA (bf16)")
+    parser.add_argument("--planner", action="store_true",
+                        help="only the planner's predictions beside Megatron-Bridge's published figures (no torch)")
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--out", default="", help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -127,6 +204,8 @@ def main() -> None:
         return grouped_check()
     if args.worker:
         return worker(args)
+    if args.planner:
+        return planner_tables()
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp, "result.json")
         cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "4", __file__, "--worker",
@@ -146,6 +225,8 @@ def main() -> None:
                    else "- (ep=1 sends none)")
     print(f"| ep=2 / ep=1 | {two['step_time'] / one['step_time']:.2f} | {bytes_ratio} | "
           f"{one['step_time'] / two['step_time']:.2f} |")
+    print()
+    planner_tables()
 
 
 if __name__ == "__main__":

@@ -125,7 +125,7 @@ def layout_of(config: dict[str, Any]):
         mbs, count, schedule, virtual = batch, accumulate, "none", 1
     return Layout(mesh["tp"], mesh["pp"], mesh["dp"], args["data_parallel"], mbs, count, schedule, virtual,
                   args["activation_checkpointing"], bool(args["sequence_parallel"]) and mesh["tp"] > 1, mesh["cp"],
-                  mesh["dp_shard"])
+                  mesh["dp_shard"], int(args.get("ep") or 1))
 
 
 def planner_problem(recipe: Path):
@@ -150,7 +150,7 @@ def test_the_recipes_folder_has_the_documented_recipes():
     names = {p.name for p in RECIPES}
     assert {"tiny-cpu.yaml", "qwen2.5-72b-pretrain.yaml", "qwen2.5-72b-sft.yaml", "qwen2.5-7b.yaml",
             "qwen2.5-72b-sft-h100.yaml", "qwen2.5-72b-auto.yaml", "llama3.1-70b-pretrain.yaml",
-            "qwen3-32b-sft.yaml"} <= names
+            "qwen3-32b-sft.yaml", "tiny-moe-cpu.yaml", "qwen3-30b-a3b-pretrain.yaml"} <= names
 
 
 @pytest.mark.parametrize("recipe", RECIPES, ids=recipe_id)
@@ -176,7 +176,8 @@ def test_recipe_mesh_multiplies_to_the_devices_and_keeps_tp_inside_a_node(recipe
     assert mesh["tp"] * mesh["cp"] * mesh["pp"] * mesh["dp"] == mesh["world"], mesh
     assert mesh["devices"] % (mesh["tp"] * mesh["cp"]) == 0, f"tp x cp leaves the node of {mesh['devices']} devices"
     dims = ParallelDims.resolve(mesh["tp"], mesh["pp"], mesh["dp"], mesh["world"], devices_per_node=mesh["devices"],
-                                cp=mesh["cp"], dp_shard=mesh["dp_shard"] or None)
+                                cp=mesh["cp"], dp_shard=mesh["dp_shard"] or None,
+                                ep=int(strategy_args(config).get("ep") or 1))
     module = CausalLM(config["model"]["model"])
     virtual = int(strategy_args(config)["virtual_stages"])
     dims.check_model(module.parallel_spec().tp_divisible, module.num_blocks(), virtual)

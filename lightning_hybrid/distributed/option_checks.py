@@ -19,6 +19,7 @@ from lightning_hybrid.distributed.parallel_dims import ParallelDims
 from lightning_hybrid.distributed.pipeline.schedules import validate_schedule
 from lightning_hybrid.distributed.pipeline.split import plan_stages
 from lightning_hybrid.models.spec import ParallelSpec
+from lightning_hybrid.planner.experts import selective_recompute_reason
 
 __all__ = ["check_options", "float8_error", "context_parallel_error", "experts_error", "DECLARED_PRECISIONS",
            "FLOAT8_PRECISIONS", "FLOAT8_EXTRA"]
@@ -69,10 +70,12 @@ def context_parallel_error(spec: Optional[ParallelSpec], cp: int, module_name: s
     return ""
 
 
-def experts_error(options: ParallelOptions, spec: Optional[ParallelSpec], module_name: str) -> Optional[str]:
+def experts_error(options: ParallelOptions, spec: Optional[ParallelSpec], module_name: str,
+                  dims: Optional[ParallelDims] = None) -> Optional[str]:
     """Why expert parallelism (or a mixture-of-experts model) cannot run with these options (one line), or ``None``:
-    ``ep>1`` needs a model with experts whose count it divides and FSDP2 over the data ranks; a mixture of experts is
-    not compiled (its per-expert splits are data-dependent)."""
+    ``ep>1`` needs a model with experts whose count it divides and FSDP2 over the data ranks, and not the op-level
+    selective recompute when ep is all the data ranks (:func:`~lightning_hybrid.planner.experts.
+    selective_recompute_reason`); a mixture of experts is not compiled (its per-expert splits are data-dependent)."""
     experts = spec is not None and spec.block_experts is not None
     if options.ep > 1 and not experts:
         return (f"ep={options.ep} needs a mixture-of-experts model (its ParallelSpec declares block_experts, e.g. "
@@ -87,6 +90,11 @@ def experts_error(options: ParallelOptions, spec: Optional[ParallelSpec], module
         if options.data_parallel != "fsdp":
             return (f"ep={options.ep} with data_parallel={options.data_parallel!r} is not supported (the experts are "
                     f"sharded by FSDP2 over the data ranks of each ep rank); use data_parallel='fsdp'")
+        recompute = dims is not None and selective_recompute_reason(options.ep, dims.data_ranks,
+                                                                    options.activation_checkpointing,
+                                                                    options.selective_ac)
+        if recompute:
+            return recompute
     if experts and options.compile:
         return ("compile=True with a mixture-of-experts model is not supported (the tokens per expert are "
                 "data-dependent); use compile=False")
@@ -138,7 +146,8 @@ def check_options(options: ParallelOptions, world_size: int, devices_per_node: O
     tp, dp = options.sizes(world_size, devices_per_node, self_parallel=spec is None)
     dims = ParallelDims.resolve(tp, options.pp, dp, world_size, devices_per_node=devices_per_node, cp=options.cp,
                                 dp_shard=options.dp_shard, ep=options.ep)
-    problem = _feature_error(options, dims, spec, precision, module_name) or experts_error(options, spec, module_name)
+    problem = _feature_error(options, dims, spec, precision, module_name) or experts_error(options, spec, module_name,
+                                                                                          dims)
     if problem:
         raise ValueError(problem)
     if spec is not None and num_blocks is not None:

@@ -25,7 +25,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
 __all__ = ["state_bytes", "model_state_bytes", "MemoryPeaks", "MemoryLimitExceeded", "CollectiveCounter",
-           "mesh_dimension_groups", "COLLECTIVE_NAMESPACES"]
+           "mesh_dimension_groups", "COLLECTIVE_NAMESPACES", "FLATTENED_DIMENSIONS"]
 
 COLLECTIVE_NAMESPACES = ("c10d", "_c10d_functional", "_c10d_functional_autograd", "_dtensor")
 _NOT_COUNTED = ("wait_tensor", "barrier", "monitored_barrier_")
@@ -221,18 +221,30 @@ class MemoryPeaks(MemTracker):
         return dict(out)
 
 
+# Flattened dimensions a mesh may answer to besides its own (distributed/mesh.py): under expert parallelism "dp" is
+# edp x ep flattened, the group of FSDP's dense units and of the load statistics' sum.
+FLATTENED_DIMENSIONS = ("dp", "dp_cp", "edp_cp")
+
+
 def mesh_dimension_groups(mesh: Any, world_size: int) -> dict[tuple[int, ...], str]:
     """This rank's process groups by their global ranks -> the mesh dimension name (``"world"`` for all ranks).
 
-    Any mesh works (``("pp", "dp", "tp")`` today, more dimensions later): a group is named by the dimension whose
-    ranks it spans.
+    Any mesh works (``("pp", "dp", "tp")``, ``("pp", "edp", "ep", "tp")``, ...): a group is named by the dimension
+    whose ranks it spans, the mesh's own dimensions first, then the flattened ones it answers to.
     """
+    import warnings
+
     import torch.distributed as dist
 
     names: dict[tuple[int, ...], str] = {tuple(range(world_size)): "world"}
-    for name in mesh.mesh_dim_names or ():
-        ranks = tuple(sorted(dist.get_process_group_ranks(mesh[name].get_group())))
-        names.setdefault(ranks, name)
+    for name in (*(mesh.mesh_dim_names or ()), *FLATTENED_DIMENSIONS):
+        try:
+            with warnings.catch_warnings():
+                warnings.filterwarnings("ignore", message="Slicing a flattened dim from root mesh")
+                group = mesh[name].get_group()
+        except (KeyError, RuntimeError, ValueError):
+            continue  # not a dimension of this mesh
+        names.setdefault(tuple(sorted(dist.get_process_group_ranks(group))), name)
     return names
 
 

@@ -172,7 +172,8 @@ def _role_report(job: DryRunJob, role: Role, result: Any, prediction: Any) -> di
             "planner_collectives": prediction.collectives,
             "full_step": {"traced_plus_planned": full_step, "planner": prediction.full_step_total},
             "fits": full_step <= prediction.usable and result.stopped is None, "stopped": result.stopped,
-            "seconds": round(result.seconds, 2), "max_rss_bytes": result.max_rss}
+            "seconds": round(result.seconds, 2), "cpu_seconds": round(result.cpu_seconds, 1),
+            "max_rss_bytes": result.max_rss}
 
 
 def dry_run(job: DryRunJob, ranks: list[int], gpu: str, device_memory_gib: Optional[float] = None,
@@ -196,7 +197,8 @@ def dry_run(job: DryRunJob, ranks: list[int], gpu: str, device_memory_gib: Optio
         report["ranks"] = sorted(wanted & set(role.ranks))
         report["rank_coordinates"] = [[rank, dims.coordinates(rank)] for rank in report["ranks"]]
         reports.append(report)
-    return {"recipe": job.name, "world_size": job.world_size, "layout": {"tp": dims.tp, "pp": dims.pp, "dp": dims.dp},
+    return {"recipe": job.name, "world_size": job.world_size,
+            "layout": {"tp": dims.tp, "pp": dims.pp, "dp": dims.dp, **({"ep": dims.ep} if dims.ep > 1 else {})},
             "microbatches": options.num_microbatches if dims.pp > 1 else 1, "traced_microbatches": traced,
             "gpu": gpu, "usable_bytes": usable, "roles": reports, "fits": all(r["fits"] for r in reports),
             "seconds": round(time.perf_counter() - start, 1)}
@@ -217,9 +219,11 @@ def format_report(report: dict[str, Any]) -> str:
     head = f"{'ranks':<16} {'pp,dp,tp':<9} {'stages':<7}"
     for name in FIGURES:
         head += f" | {name[:11]:>11} {'planner':>8} {'ratio':>5}"
+    cpu = sum(r.get("cpu_seconds", 0.0) for r in report["roles"])
     lines = [f"dry run of {report['recipe']}: world {report['world_size']}, layout {report['layout']}, "
              f"usable {report['usable_bytes'] / 1e9:.1f} GB per {report['gpu']}, micro-batches traced "
-             f"{report['traced_microbatches']} of {report['microbatches']} ({report['seconds']} s)", head,
+             f"{report['traced_microbatches']} of {report['microbatches']} ({report['seconds']} s, the traced ranks' "
+             f"processes {cpu:.0f} s of CPU)", head,
              "-" * len(head)]
     for r in report["roles"]:
         c = r["coordinates"]

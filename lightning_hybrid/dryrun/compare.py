@@ -58,7 +58,7 @@ def _layout(job: DryRunJob, dims: Any, options: Any, microbatches: Optional[int]
                   else m, schedule=options.pp_schedule if dims.pp > 1 else "none",
                   virtual_stages=options.virtual_stages, recompute=options.activation_checkpointing,
                   sequence_parallel=options.sequence_parallel, cp=dims.cp,
-                  dp_shard=dims.dp_shard if options.data_parallel == "hsdp" else 0)
+                  dp_shard=dims.dp_shard if options.data_parallel == "hsdp" else 0, ep=dims.ep)
 
 
 def predict(job: DryRunJob, config: Any, dims: Any, options: Any, result: RankResult, gpu: str,
@@ -83,8 +83,10 @@ def predict(job: DryRunJob, config: Any, dims: Any, options: Any, result: RankRe
     # the rank's state is FSDP's over its shard group, where its index is (dp within the group, cp) flattened
     mode = "fsdp" if options.data_parallel == "hsdp" else options.data_parallel
     shard_index = (c["dp"] % dims.dp_shard) * dims.cp + c.get("cp", 0)
+    # under ep > 1 the rank holds ep chunk c["ep"] of the experts, sharded over its edp x cp group
     state = rank_memory(config, dims.tp, dims.pp, dims.dp_shard * dims.cp, mode, c["pp"], c["tp"], shard_index,
-                        job.precision, "adamw", options.virtual_stages, stage_style)
+                        job.precision, "adamw", options.virtual_stages, stage_style, ep=dims.ep,
+                        ep_rank=c.get("ep", 0), expert_dp_rank=c.get("edp", 0) * dims.cp + c.get("cp", 0))
     hw = Hardware(SYSTEM_GPUS[gpu], job.world_size, job.devices_per_node)
     problem = Problem(config, hw, job.seq_len, job.batch_size * dims.dp, job.precision,
                       runtime=runtime_from_options(job.strategy, job.precision))

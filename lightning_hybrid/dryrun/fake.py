@@ -7,6 +7,13 @@ nothing. :class:`DryRunTensorMode` is that mode with one difference: an operatio
 runs for real. DeviceMesh and DTensor compute coordinates and shard offsets with small real index tensors
 (``mesh == rank``, ``nonzero``, ``tolist``), which fake tensors cannot answer; the model's tensors are fake from
 materialization on (:mod:`lightning_hybrid.distributed.materialize`), so everything they touch stays fake.
+
+Routing is data, and fake tensors hold none: a mixture-of-experts layer counts its (token, expert) pairs per expert
+(``bincount``) and exchanges those counts with its expert-parallel peers before it sends the rows. A dry run routes
+**uniformly**, the planner's assumption (:mod:`lightning_hybrid.planner.experts`): the counts of ``n`` pairs over ``E``
+experts are ``n // E`` each (the first ``n % E`` one more), real integers the layer can read; and the counts' exchange
+(an all-to-all of real tensors, which the fake backend leaves untouched) receives what this rank sent, which is what
+every peer sends when every rank routes alike. The rows themselves stay fake, with the shapes those counts give.
 """
 
 from __future__ import annotations
@@ -22,13 +29,22 @@ from typing_extensions import override
 
 from lightning_hybrid.strategy import HybridParallelStrategy
 
-__all__ = ["DryRunTensorMode", "FakeWorldEnvironment", "FakeWorldStrategy", "fake_world", "is_fake"]
+__all__ = ["DryRunTensorMode", "FakeWorldEnvironment", "FakeWorldStrategy", "fake_world", "is_fake", "uniform_counts"]
 
 _aten = torch.ops.aten
 # Index tensors built from nothing (shard offsets of strided placements): real, they are a few integers.
 _REAL_FACTORIES = {_aten.arange.default, _aten.arange.start, _aten.arange.start_step}
 # Factories of at most this many elements are real too: flags and counters that code reads back with .item().
 _SMALL_FACTORY_ELEMENTS = 16
+_ALL_TO_ALL = torch.ops.c10d.alltoall_base_.default
+
+
+def uniform_counts(pairs: int, bins: int) -> torch.Tensor:
+    """``bincount`` of ``pairs`` values spread evenly over ``bins``: ``pairs // bins`` each, the first ``pairs % bins``
+    one more (a real int64 tensor): the dry run's routing (module docstring)."""
+    counts = torch.full((bins,), pairs // bins, dtype=torch.int64)
+    counts[: pairs % bins] += 1
+    return counts
 
 
 def is_fake(tensor: Any) -> bool:
@@ -87,9 +103,17 @@ class DryRunTensorMode(FakeTensorMode):
             fake, kwargs_tensor = _scan(tuple(kwargs.values()))
             any_tensor = any_tensor or kwargs_tensor
         real = not fake if any_tensor else _small_factory(func, args, kwargs)
+        if fake and func is _aten.bincount.default and not _scan(args[1:2])[1]:
+            bins = int(args[2] if len(args) > 2 else kwargs.get("minlength", 0))
+            if bins > 0:  # routing counts: uniform (module docstring)
+                with unset_fake_temporarily():
+                    return uniform_counts(args[0].numel(), bins)
         if real:
             with unset_fake_temporarily():
-                return func(*args, **kwargs)
+                result = func(*args, **kwargs)
+                if func is _ALL_TO_ALL and args[0].shape == args[1].shape:
+                    args[0].copy_(args[1])  # the fake backend moved nothing: every peer sent what this rank sent
+                return result
         return super().__torch_dispatch__(func, types, args, kwargs)
 
 

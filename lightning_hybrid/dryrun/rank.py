@@ -49,6 +49,7 @@ class RankResult:
     collectives: dict[str, dict[str, list[int]]]
     seconds: float
     max_rss: int = 0  # the most resident bytes this rank's process held (its own memory, not the job's)
+    cpu_seconds: float = 0.0  # the CPU time this rank's process spent building and tracing it
     extra: dict[str, Any] = field(default_factory=dict)
 
     @property
@@ -231,6 +232,7 @@ def _build_and_trace(job: DryRunJob, rank: int, fake: bool, warmup_steps: int, s
         result.state, result.kind_peaks, result.peak = floor, dict(peak), {**peak, "Total": sum(floor.values())}
         result.extra["stopped"] = "model state"
         result.seconds, result.max_rss = time.perf_counter() - start, _max_rss()
+        result.cpu_seconds = time.process_time()
         return result
     generator = torch.Generator().manual_seed(job.seed)
     ids = torch.randint(0, module.config.vocab_size, (job.batch_size, job.seq_len), generator=generator)
@@ -256,6 +258,7 @@ def _build_and_trace(job: DryRunJob, rank: int, fake: bool, warmup_steps: int, s
     result.state["gradients"] = grads.get("gradients", result.state["gradients"])
     result.kind_peaks, result.peak = dict(tracker.kind_peaks), tracker.peak_breakdown()
     result.collectives, result.seconds = counter.table(), time.perf_counter() - start
+    result.cpu_seconds = time.process_time()  # the rank's own process: everything it did since it started
     result.max_rss = _max_rss()
     return result
 

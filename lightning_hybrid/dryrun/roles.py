@@ -17,6 +17,7 @@ from typing import Any
 from lightning_hybrid.distributed.parallel_dims import ParallelDims
 from lightning_hybrid.distributed.pipeline.schedules import stage_ids_for_rank
 from lightning_hybrid.distributed.pipeline.split import plan_stages
+from lightning_hybrid.models.decoder.moe_config import is_expert_tensor
 from lightning_hybrid.planner.memory import chunk_rows, rank_parameter_shapes
 
 __all__ = ["Role", "rank_roles", "parse_ranks"]
@@ -37,18 +38,21 @@ class Role:
 
 
 def _shard_shapes(config: Any, dims: ParallelDims, fsdp: bool, stage_plans: list[Any], num_stages: int,
-                  tp_rank: int, dp_rank: int, cp_rank: int = 0) -> tuple:
+                  coordinates: dict[str, int]) -> tuple:
     blocks = [b for plan in stage_plans for b in range(plan.first_block, plan.last_block)]
-    shapes = rank_parameter_shapes(config, dims.tp, tp_rank, blocks, embedding=any(p.has_embedding for p in
-                                   stage_plans), head=any(p.has_head for p in stage_plans),
-                                   num_stages=num_stages)
+    shapes = rank_parameter_shapes(config, dims.tp, coordinates["tp"], blocks,
+                                   embedding=any(p.has_embedding for p in stage_plans),
+                                   head=any(p.has_head for p in stage_plans), num_stages=num_stages, ep=dims.ep,
+                                   ep_rank=coordinates.get("ep", 0))
     # FSDP shards over dp x cp, HSDP inside groups of dp_shard consecutive dp ranks x cp; the rank's index there is
-    # (dp within the group, cp) flattened
-    shards = dims.dp_shard * dims.cp
+    # (dp within the group, cp) flattened; under ep > 1 the experts over edp x cp, at (edp, cp) flattened
+    shards, cp = dims.dp_shard * dims.cp, coordinates.get("cp", 0)
     if not (fsdp and shards > 1):
         return tuple(shapes.values())
-    index = (dp_rank % dims.dp_shard) * dims.cp + cp_rank
-    return tuple((chunk_rows(s[0], shards, index), *s[1:]) for s in shapes.values())
+    index = (coordinates["dp"] % dims.dp_shard) * dims.cp + cp
+    expert_index = coordinates.get("edp", 0) * dims.cp + cp
+    return tuple((chunk_rows(s[0], shards // dims.ep, expert_index) if dims.ep > 1 and is_expert_tensor(name)
+                  else chunk_rows(s[0], shards, index), *s[1:]) for name, s in shapes.items())
 
 
 def rank_roles(config: Any, spec: Any, dims: ParallelDims, options: Any) -> list[Role]:
@@ -60,8 +64,7 @@ def rank_roles(config: Any, spec: Any, dims: ParallelDims, options: Any) -> list
     for rank in range(dims.world_size):
         c = dims.coordinates(rank)
         stages = tuple(stage_ids_for_rank(c["pp"], dims.pp, options.virtual_stages, options.pp_schedule))
-        signature = _shard_shapes(config, dims, fsdp, [plans[s] for s in stages], num_stages, c["tp"],
-                                   c["dp"], c.get("cp", 0))
+        signature = _shard_shapes(config, dims, fsdp, [plans[s] for s in stages], num_stages, c)
         groups[(c["pp"], stages, signature)].append(rank)
     return [Role(pp, stages, tuple(ranks)) for (pp, stages, _), ranks in sorted(groups.items(), key=lambda kv: kv[1])]
 

@@ -287,15 +287,17 @@ class CausalLM(pl.LightningModule):
         strategy = attached_strategy(self)
         if strategy is not None and strategy.world_size > 1:
             table = strategy.reduce(table, reduce_op="sum")
-        present = table[:, -1] > 0
         values = table[:, :-1] / table[:, -1:].clamp(min=1)
-        for index in present.nonzero().flatten().tolist():
+        # every sparse layer ran in this step on the stage holding it, so each is present in the sum: the layers are
+        # the config's (no read-back of the table to find them: no device sync, and a dry run's table holds no data)
+        sparse = [i for i in range(self.config.num_hidden_layers) if self.config.mlp_kind(i) == "experts"]
+        for index in sparse:
             for name, value in zip(METRICS, values[index]):
                 self.log(f"moe/layer_{index}/{name}", value.float())
-        if present.any():
-            self.log("moe/aux_loss", values[present, 1].mean().float())
-            self.log("moe/load_max_over_mean", values[present, 0].max().float())
-            self.log("moe/dropped_tokens", values[present, 2].sum().float())
+        chosen = values[sparse]
+        self.log("moe/aux_loss", chosen[:, 1].mean().float())
+        self.log("moe/load_max_over_mean", chosen[:, 0].max().float())
+        self.log("moe/dropped_tokens", chosen[:, 2].sum().float())
 
     def optimizer_step(self, *args: Any, **kwargs: Any) -> None:
         super().optimizer_step(*args, **kwargs)

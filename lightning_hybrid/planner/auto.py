@@ -196,8 +196,12 @@ def _choices(options: ParallelOptions, tp: int, pp: int, dp: int, per_replica: i
 
 
 def _layouts(options: ParallelOptions, tp: int, pp: int, dp: int, per_replica: int) -> list[Layout]:
-    """Every layout of one mesh the fixed options allow (micro-batching, schedule, recompute, dp mode)."""
-    return list(layouts(tp, pp, dp, per_replica, _choices(options, tp, pp, dp, per_replica)))
+    """Every layout of one mesh the fixed options allow (micro-batching, schedule, recompute, dp mode; the ep given,
+    where it divides dp)."""
+    ep = getattr(options, "ep", 1)
+    if dp % ep:
+        return []
+    return list(layouts(tp, pp, dp, per_replica, _choices(options, tp, pp, dp, per_replica), ep=ep))
 
 
 def enumerate_layouts(options: ParallelOptions, world_size: int, devices_per_node: int,
@@ -238,7 +242,7 @@ def plan_layout(options: ParallelOptions, config: Qwen2Config, hw: Hardware, sha
         for layout in _layouts(options, tp, pp, dp, per_replica):
             if stages is not None and pp * layout.virtual_stages != stages:
                 continue
-            reason = layout_reason(problem, tp, pp, dp, layout.virtual_stages)
+            reason = layout_reason(problem, tp, pp, dp, layout.virtual_stages, layout.ep, layout.data_parallel)
             if reason:
                 reasons.append(reason)
                 continue

@@ -9,7 +9,9 @@ import sys
 from typing import Optional
 
 from lightning_hybrid.hardware import SYSTEM_GPUS
+from lightning_hybrid.models.decoder.config import active_parameters
 from lightning_hybrid.models.qwen2.config import PRESETS, Qwen2Config
+from lightning_hybrid.planner.experts import is_moe
 from lightning_hybrid.planner.interval import (
     DEFAULT_GPU_MTBF_HOURS,
     DEFAULT_RESTART_SECONDS,
@@ -26,12 +28,13 @@ from lightning_hybrid.planner.recipe_cli import (
     run_recipe_plan,
 )
 from lightning_hybrid.planner.recipe_plan import FLOAT8_OFF
-from lightning_hybrid.planner.report import explain_time, format_table, gpu_figures
+from lightning_hybrid.planner.report import explain_time, format_table, gpu_figures, strategy_arguments
 from lightning_hybrid.planner.runtime import runtime_features, runtime_from_options
 from lightning_hybrid.planner.search import explain, search
 from lightning_hybrid.planner.step_time import GEMM_PEAK_EFFICIENCY, Hardware
 
-__all__ = ["build_parser", "build_problem", "run_plan", "assumptions", "explain_time", "format_table"]
+__all__ = ["build_parser", "build_problem", "run_plan", "assumptions", "explain_time", "format_table",
+           "parameter_counts", "MOE_ASSUMPTIONS"]
 
 DEFAULT_BATCH_TOKENS = 4 * 1024 * 1024
 
@@ -110,8 +113,35 @@ def build_problem(args: argparse.Namespace) -> Problem:
                                                 fused_projections=fused is not False))
 
 
+def parameter_counts(config: Qwen2Config) -> str:
+    """``"30.53B parameters, 3.35B active"`` for a mixture of experts (active: what one token uses, MFU's count),
+    ``"72.71B parameters"`` for a dense model."""
+    total = f"{config.num_parameters() / 1e9:.2f}B parameters"
+    return f"{total}, {active_parameters(config) / 1e9:.2f}B active" if is_moe(config) else total
+
+
 def assumptions(p: Problem) -> list[str]:
     """Every figure and simplification the prediction rests on, one sentence each."""
+    return _assumptions(p) + (MOE_ASSUMPTIONS if is_moe(p.config) else [])
+
+
+# What the planner assumes of a mixture of experts (planner/experts.py), one sentence each.
+MOE_ASSUMPTIONS = [
+    "mixture of experts: ep divides dp and num_experts (ep=1 always planned); each ep rank holds num_experts / ep "
+    "experts, sharded by FSDP2 over the dp x cp / ep ranks holding the same ones; experts are replicated over tp",
+    "MoE FLOPs from active parameters (router + top-k experts); every tp rank computes all its tokens' experts "
+    "(not split by tp: redundant compute, in the time, not in the MFU's FLOPs)",
+    "uniform routing: a rank computes tokens x top-k rows after the dispatch, tokens x top-k x ep / num_experts per "
+    "local expert, each expert's matmuls at their own shape on the GEMM-efficiency curve (grouped GEMM kernel not "
+    "measured on hardware)",
+    "all-to-all: dispatch + combine, forward and backward (4 per sparse layer and micro-batch), bytes leaving a rank "
+    "= (ep-1)/ep x tokens x top-k x hidden x bytes, on NVLink when ep x cp x tp fits a node, else all on the "
+    "inter-node link; exposed (not overlapped); plus the per-expert counts' exchange and the load statistics' sum; "
+    "NCCL all-to-all speed not measured on hardware",
+]
+
+
+def _assumptions(p: Problem) -> list[str]:
     g, hw, prec = p.hw.gpu, p.hw, PRECISIONS[p.precision]
     states = OPTIMIZERS[p.optimizer][0]
     return [
@@ -196,10 +226,13 @@ def run_plan(argv: Optional[list[str]] = None) -> int:
         checkpoint = checkpoint_plan(top.checkpoint_bytes, p.hw.gpus, top.time["step"], args.save_seconds,
                                      args.mtbf_hours, restart_seconds=args.restart_seconds)
     if args.json:
-        doc = {"model": p.config.to_dict(), "gpus": p.hw.gpus, "gpus_per_node": gpn, "gpu": gpu_figures(p.hw.gpu),
+        doc = {"model": p.config.to_dict(), "parameters": p.config.num_parameters(),
+               "active_parameters": active_parameters(p.config), "gpus": p.hw.gpus, "gpus_per_node": gpn,
+               "gpu": gpu_figures(p.hw.gpu),
                "seq_len": p.seq_len, "global_batch": p.global_batch, "precision": p.precision,
                "optimizer": p.optimizer, "assumptions": assumptions(p),
                "layouts": [e.to_dict() for e in feasible], "feasible_count": len(feasible),
+               "fastest_strategy_arguments": strategy_arguments(feasible[0].layout) if feasible else None,
                "infeasible": [e.to_dict() for e in infeasible], "explanations": explanations,
                "step_time_explained": [dict(e.to_dict(), lines=explain_time(e)) for e in timed],
                "checkpoint": checkpoint, "message": message or None, "runtime": runtime_features(p.runtime)}
@@ -224,9 +257,9 @@ def _explained_estimates(best: bool, feasible: list[Estimate], meshes: list[tupl
 def _print_report(p: Problem, top: int, feasible: list[Estimate], infeasible: list[Estimate], explanations: list[dict],
                   timed: list[Estimate], checkpoint: Optional[dict]) -> None:
     """The text report: table, step-time splits asked for, why not simpler layouts, checkpoint interval, assumptions."""
-    print(f"plan: {p.config.name} ({p.config.num_parameters() / 1e9:.2f}B parameters), {p.hw.gpus} x {p.hw.gpu.name} "
+    print(f"plan: {p.config.name} ({parameter_counts(p.config)}), {p.hw.gpus} x {p.hw.gpu.name} "
           f"({p.hw.gpus_per_node} per node), seq {p.seq_len}, global batch {p.global_batch}, {p.precision}, "
-          f"{p.optimizer}")
+          f"{p.optimizer}; every figure below is predicted")
     if p.runtime.float8:
         print(f"float8={p.runtime.float8}: block GEMMs at the fp8 peak ({p.hw.gpu.peak.fp8 / 1e12:.0f} TFLOP/s); MFU "
               f"is quoted against the bf16 peak ({p.hw.peak_flops(p.precision) / 1e12:.0f} TFLOP/s), as torchtitan "
@@ -235,6 +268,11 @@ def _print_report(p: Problem, top: int, feasible: list[Estimate], infeasible: li
         print(f"\n{len(feasible)} layouts fit; the fastest {min(top, len(feasible))} "
               "(memory in GB on the fullest rank, time in s per optimizer step):")
         print(format_table(feasible[:top]))
+        args = strategy_arguments(feasible[0].layout)
+        data = {k: args.pop(k) for k in ("batch_size", "accumulate_grad_batches") if k in args}
+        print("the fastest as a recipe: trainer.strategy.init_args " + ", ".join(f"{k}: {v}" for k, v in args.items())
+              + "; " + ", ".join(f"{'trainer' if k.startswith('acc') else 'data.init_args'}.{k}: {v}"
+                                 for k, v in data.items()))
     if timed:
         print("\nruntime features: " + ", ".join(f"{name} {'on' if on else 'off'}"
                                                  for name, on in runtime_features(p.runtime).items()))

@@ -55,6 +55,17 @@ parallel); once per step the loss statistics are broadcast from the last stage (
 **world**: the gradient-norm clipping's all-reduce of the squared norm (a float64); without a pipeline also the
 loss statistics' all-reduce (8 bytes). A mesh dimension as large as the world is reported as ``world``.
 
+**A mixture of experts** (``planner/experts.py``; uniform routing, as the dry run routes), per sparse block and
+micro-batch: over **ep** one all-to-all of the per-expert counts (``8 E`` bytes) and four of the rows (the dispatch and
+the combine forward, their gradients backward), ``T k h b`` each (the buffer; ``(ep - 1) / ep`` of it leaves the rank);
+over **dp** one all-reduce of the load statistics (``8 (2E + 2)`` bytes). A recompute replays the counts and the load
+sum (``selective`` with ``op``), and under ``full`` (or a k-th block) the forward's two row all-to-alls too. Once per
+step the layers' statistics are summed over the **world** (``8 x 4 L`` bytes). Under ``ep > 1`` each sparse block's
+experts are an FSDP unit of their own over **edp** (``dp / ep`` ranks; none when that is one rank), gathered and
+reduce-scattered like the block; the block's own unit leaves them out. Under tp the experts are whole on every rank:
+a sparse block issues the attention half's TP collectives only (1 all-reduce forward, 3 backward), and under
+sequence parallel the experts' input all-gather forward and their output gradient's all-gather backward.
+
 Not modelled (``ValueError``): context parallelism, HSDP, and schedules other than 1F1B and GPipe with one stage
 per rank.
 """
@@ -66,6 +77,8 @@ from collections import defaultdict
 from typing import Callable, Optional, Union
 
 from lightning_hybrid.distributed.options import GRADIENT_BUCKET_BYTES
+from lightning_hybrid.models.decoder.moe_config import is_expert_tensor
+from lightning_hybrid.planner.experts import INDEX_BYTES, LOAD_STAT_BYTES, all_to_all_buffer, is_moe, sparse_flags
 from lightning_hybrid.planner.layout import Layout, Problem
 from lightning_hybrid.planner.memory import chunk_rows, rank_parameter_shapes, split_blocks
 
@@ -75,19 +88,26 @@ Table = dict[str, dict[str, list[int]]]
 Add = Callable[[str, str, int, int], None]  # (dimension, kind, calls, bytes of each call)
 
 COLWISE_PER_BLOCK = 5  # q, k, v, gate, up: one input-gradient all-reduce each without sequence parallel
+# what a sparse layer logs per step (models/decoder/moe.py's METRICS: load balance, load-balancing loss, dropped
+# tokens), summed over the world with a presence flag: the planner does not import the model code
+METRICS_PER_LAYER = ("load_max_over_mean", "aux_loss", "dropped_tokens")
 _SCHEDULES = ("none", "1f1b", "gpipe")
 _SCALAR = 4  # a float32 loss statistic
 _NORM_SQUARED = 8  # the float64 squared gradient norm
 
 
-def tp_all_reduce_equivalents(sequence_parallel: bool) -> tuple[float, float]:
+def tp_all_reduce_equivalents(sequence_parallel: bool, sparse: bool = False) -> tuple[float, float]:
     """TP traffic of one block and micro-batch in all-reduces of the residual stream (an all-gather and a
     reduce-scatter make one): (forward and backward, added by a replayed forward). The planner's time model uses it.
 
     Without sequence parallel 2 + 5 (the colwise projections' input gradients, one by one) and 1 replayed (the
     down projection's, after the last saved tensor, is not); with it 4 pairs, and 2 all-gathers and 1
-    reduce-scatter replayed.
+    reduce-scatter replayed. A sparse block (``sparse``: a mixture of experts, whole on every tp rank) has the
+    attention half's only (1 + 3 without sequence parallel, 1 replayed), plus under sequence parallel the experts'
+    input all-gather and their output gradient's all-gather (2 pairs + 2 all-gathers, 1.5 replayed).
     """
+    if sparse:
+        return (3.0, 1.5) if sequence_parallel else (1.0 + COLWISE_PER_BLOCK - 2, 1.0)
     return (4.0, 1.5) if sequence_parallel else (2.0 + COLWISE_PER_BLOCK, 1.0)
 
 
@@ -121,9 +141,11 @@ def _dimension_names(layout: "Layout") -> dict[str, Optional[str]]:
     """Mesh dimension -> the name the counter files it under (``world`` when it spans the world, ``None`` when a
     dimension of size 1 issues nothing)."""
     world = layout.tp * layout.pp * layout.dp
-    sizes = {"pp": layout.pp, "dp": layout.dp, "tp": layout.tp}
+    sizes = {"pp": layout.pp, "dp": layout.dp, "tp": layout.tp, "ep": layout.ep, "edp": layout.dp // layout.ep}
     names: dict[str, Optional[str]] = {d: (None if n == 1 else "world" if n == world else d) for d, n in sizes.items()}
     names["world"] = "world" if world > 1 else None
+    if layout.ep == layout.dp and names["dp"] == "dp":  # the flattened dp is the ep group itself: named "ep"
+        names["dp"] = "ep"
     return names
 
 
@@ -149,15 +171,17 @@ def _tensor_parallel(add: Add, problem: "Problem", layout: "Layout", pp_rank: in
     act = layout.micro_batch_size * problem.seq_len * c.hidden_size * b
     logits = layout.micro_batch_size * problem.seq_len * c.vocab_size * b
     replayed = sum(_replayed(layout.recompute, selective_ac, i) for i in blocks)
+    sparse = sum(sparse_flags(c)[i] for i in blocks)  # whole experts: the attention half's TP collectives only
     if loss_parallel:  # the cross-entropy's 3 fp32 all-reduces per micro-batch instead of the logits' all-gather
         add("tp", "all_reduce", 3 * m * head, layout.micro_batch_size * problem.seq_len * 4)
         logits = 0
     if not layout.sequence_parallel:
-        add("tp", "all_reduce", m * (len(blocks) * (2 + COLWISE_PER_BLOCK) + replayed + embedding + head), act)
+        add("tp", "all_reduce", m * (len(blocks) * (2 + COLWISE_PER_BLOCK) - 3 * sparse + replayed + embedding
+                                     + head), act)
         add("tp", "all_gather", m * head * bool(logits), logits)
     else:
         add("tp", "all_gather", m * (4 * len(blocks) + 2 * replayed + embedding + head), act)
-        add("tp", "reduce_scatter", m * (4 * len(blocks) + replayed + embedding + head), act)
+        add("tp", "reduce_scatter", m * (4 * len(blocks) - 2 * sparse + replayed + embedding + head), act)
         add("tp", "all_gather", m * head * bool(logits), logits)
     # the norm weights' partial gradients (block norms under sequence parallel; Qwen3's per-head q/k norms, which see
     # a shard of the heads, always) are reduced by FSDP's gradient reduction only (none without FSDP)
@@ -182,7 +206,7 @@ def _fsdp(add: Add, problem: "Problem", layout: "Layout", pp_rank: int, m: int,
     c, dp = problem.config, layout.dp
     blocks, embedding, head = _rank_parts(problem, layout, pp_rank)
     gather_bytes = 2 if problem.precision.startswith("bf16") else 4
-    block = _unit_numel(rank_parameter_shapes(c, layout.tp, 0, [0], embedding=False, head=False), dp)
+    units = [_block_units(c, layout, i) for i in blocks]  # (the block's unit, its experts' unit under ep > 1)
     root_shapes = rank_parameter_shapes(c, layout.tp, 0, [], embedding=embedding, head=head,
                                         num_stages=layout.pp)
     root = _unit_numel(root_shapes, dp)
@@ -190,10 +214,44 @@ def _fsdp(add: Add, problem: "Problem", layout: "Layout", pp_rank: int, m: int,
     # without a pipeline every micro-batch is a step of its own; a pipeline gathers blocks m + 1 times, reduces once
     gathers = fsdp_block_gathers(layout.pp, m, reshard_after_forward)
     root_gathers, scatters = (m, m) if layout.pp == 1 else (1, 1)
-    add("dp", "all_gather", gathers * len(blocks), block * gather_bytes)
+    for block, experts in units:
+        add("dp", "all_gather", gathers, block * gather_bytes)
+        add("dp", "reduce_scatter", scatters, block * 4)
+        if experts and layout.dp > layout.ep:  # an FSDP unit over one rank issues nothing
+            add("edp", "all_gather", gathers, experts * gather_bytes)
+            add("edp", "reduce_scatter", scatters, experts * 4)
     add("dp", "all_gather", root_gathers * roots, root * gather_bytes)
-    add("dp", "reduce_scatter", scatters * len(blocks), block * 4)
     add("dp", "reduce_scatter", scatters * roots, root * 4)
+
+
+def _block_units(config: object, layout: "Layout", block: int) -> tuple[int, int]:
+    """(elements of block ``block``'s FSDP unit, of its experts' own unit: 0 unless ``ep > 1``), each tensor padded to
+    its unit's equal dim-0 shards (dp, or dp / ep for the experts)."""
+    shapes = rank_parameter_shapes(config, layout.tp, 0, [block], embedding=False, head=False, ep=layout.ep)
+    if layout.ep == 1:
+        return _unit_numel(shapes, layout.dp), 0
+    experts = {name: shape for name, shape in shapes.items() if is_expert_tensor(name)}
+    dense = {name: shape for name, shape in shapes.items() if name not in experts}
+    return _unit_numel(dense, layout.dp), _unit_numel(experts, layout.dp // layout.ep)
+
+
+def _experts(add: Add, problem: "Problem", layout: "Layout", pp_rank: int, m: int,
+             selective_ac: Union[str, int]) -> None:
+    """A mixture of experts' collectives (module docstring): per sparse block and micro-batch the all-to-alls over
+    ep and the load sum over dp, with what a recompute replays; once per step the statistics' sum over the world."""
+    c = problem.config
+    blocks, _, _ = _rank_parts(problem, layout, pp_rank)
+    flags = sparse_flags(c)
+    sparse = [i for i in blocks if flags[i]]
+    tokens = layout.micro_batch_size * problem.seq_len  # whole on every tp rank (gathered under sequence parallel)
+    rows = all_to_all_buffer(c, tokens, _stage_bytes(problem, layout))
+    for block in sparse:
+        full = _replayed(layout.recompute, selective_ac, block)
+        small = 1 + (full or (layout.recompute == "selective" and selective_ac == "op"))  # forward (and replay)
+        add("ep", "all_to_all", m * small, INDEX_BYTES * c.num_experts)
+        add("ep", "all_to_all", m * (4 + 2 * full), rows)
+        add("dp", "all_reduce", m * small, LOAD_STAT_BYTES * (2 * c.num_experts + 2))
+    add("world", "all_reduce", 1, LOAD_STAT_BYTES * (len(METRICS_PER_LAYER) + 1) * c.num_hidden_layers)
 
 
 def _replicate(add: Add, problem: "Problem", layout: "Layout", pp_rank: int) -> None:
@@ -215,7 +273,8 @@ def _replicate(add: Add, problem: "Problem", layout: "Layout", pp_rank: int) -> 
 
 
 _BLOCK_ORDER = ("input_layernorm", "self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
-                "post_attention_layernorm", "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")
+                "post_attention_layernorm", "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj",
+                "mlp.gate", "mlp.experts")  # a sparse block: the router, then the experts
 
 
 def _registration_order(shapes: dict[str, tuple[int, ...]]) -> dict[str, tuple[int, ...]]:
@@ -292,6 +351,8 @@ def predicted_collectives(problem: "Problem", layout: "Layout", pp_rank: int,
 
     if layout.tp > 1:
         _tensor_parallel(add, problem, layout, pp_rank, m, selective_ac, loss_parallel)
+    if is_moe(problem.config):
+        _experts(add, problem, layout, pp_rank, m, selective_ac)
     if layout.dp > 1:
         if layout.data_parallel == "fsdp":
             _fsdp(add, problem, layout, pp_rank, m, reshard_after_forward)

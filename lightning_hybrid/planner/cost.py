@@ -11,10 +11,14 @@ from __future__ import annotations
 
 import functools
 from dataclasses import dataclass, fields
+from typing import Callable
 
 from lightning_hybrid.models.qwen2.config import flops_per_token
 from lightning_hybrid.planner.collectives import fsdp_block_gathers, tp_all_reduce_equivalents
 from lightning_hybrid.planner.context_parallel import blockwise_attention_seconds, cp_block_seconds
+from lightning_hybrid.planner.expert_time import ExpertTime, expert_time
+from lightning_hybrid.planner.experts import expert_gemms, is_moe
+from lightning_hybrid.planner.kernels import gemm_seconds, hbm_seconds
 from lightning_hybrid.planner.layout import Estimate, Layout, Problem
 from lightning_hybrid.planner.layout_memory import (
     LOW_PRECISION_BYTES,
@@ -27,7 +31,6 @@ from lightning_hybrid.planner.layout_memory import (
 from lightning_hybrid.planner.step_time import (
     AUTOCAST_WEIGHT_CAST_BYTES,
     ELEMENTWISE_BACKWARD,
-    FLOAT8_GEMM_EFFICIENCY,
     SELECTIVE_POLICIES,
     block_gemms,
     elementwise_bytes,
@@ -71,6 +74,7 @@ class _Work:
     gemm_flops: float = 0.0
     cp: float = 0.0  # the K/V exchange of context parallelism, forward (all-gather) and backward (reduce-scatter)
     p2p: float = 0.0  # pipeline transfers in the critical path (only on CPU cores with none spare; else overlapped)
+    ep: float = 0.0  # a mixture of experts' all-to-alls and load sums, exposed (planner/experts.py)
 
     def _values(self) -> tuple[float, ...]:
         # the fields' values in order (``astuple`` deep-copies each float: a third of a search's time)
@@ -89,7 +93,7 @@ class _Work:
 
     @property
     def total(self) -> float:
-        return self.compute + self.recompute + self.tp + self.cp + self.p2p
+        return self.compute + self.recompute + self.tp + self.cp + self.p2p + self.ep
 
 
 _WORK_FIELDS = tuple(f.name for f in fields(_Work))
@@ -112,20 +116,6 @@ def _tp_seconds(problem: Problem, layout: Layout, kind: str, nbytes: float) -> f
     return seconds * (problem.time_model.tp_overlap_exposed if problem.runtime.tp_overlap else 1.0)
 
 
-def _gemm_seconds(problem: Problem, tokens: int, k: int, n: int, float8: bool = False) -> float:
-    """Forward and backward of a ``tokens x k`` by ``k x n`` matmul: ``6 tokens k n`` FLOPs at its efficiency (a
-    float8 block GEMM at the fp8 peak and the recipe's efficiency)."""
-    hw, recipe = problem.hw, problem.runtime.float8
-    if float8 and recipe is not None:
-        peak = problem.time_model.float8_efficiency or FLOAT8_GEMM_EFFICIENCY[recipe]
-        if hw.gpu.peak.fp8 is None:
-            raise ValueError(f"GPU {hw.gpu.name} lists no fp8 peak; plan it without float8")
-        efficiency = gemm_efficiency(peak, problem.time_model.gemm_knee, tokens, k, n)
-        return 6 * tokens * k * n / (hw.gpu.peak.fp8 * efficiency)
-    efficiency = gemm_efficiency(hw.compute_efficiency, problem.time_model.gemm_knee, tokens, k, n)
-    return 6 * tokens * k * n / (hw.peak_flops(problem.precision) * efficiency)
-
-
 def _float8_cast_seconds(problem: Problem, layout: Layout, tokens: int,
                          shapes: dict[str, tuple[int, int]]) -> dict[str, float]:
     """HBM seconds of torchao's dynamic float8 casts of each block linear per micro-batch (0 without float8 or with
@@ -135,11 +125,7 @@ def _float8_cast_seconds(problem: Problem, layout: Layout, tokens: int,
         return dict.fromkeys(shapes, 0.0)
     elements = float8_cast_elements(shapes, tokens, layout.tp, layout.sequence_parallel, rt.float8,
                                     layout.data_parallel in ("fsdp", "hsdp"))
-    return {name: _hbm_seconds(problem, problem.time_model.float8_cast_bytes * e) for name, e in elements.items()}
-
-
-def _hbm_seconds(problem: Problem, nbytes: float) -> float:
-    return nbytes / (problem.hw.gpu.hbm_tbs * 1e12 * problem.time_model.hbm_efficiency)
+    return {name: hbm_seconds(problem, problem.time_model.float8_cast_bytes * e) for name, e in elements.items()}
 
 
 # _block_work's results by (problem, tokens and the layout fields it reads): a search asks for the same block under
@@ -148,45 +134,58 @@ _BLOCK_WORK: dict[tuple, "_Work"] = {}
 _BLOCK_WORK_LIMIT = 65536
 
 
-def _block_work(problem: Problem, layout: Layout, tokens: int) -> _Work:
-    """One block on one TP rank for a micro-batch of ``tokens`` (see :mod:`~lightning_hybrid.planner.step_time`)."""
-    key = (problem, tokens, layout.tp, layout.sequence_parallel, layout.recompute, layout.cp, layout.data_parallel)
+def _block_work(problem: Problem, layout: Layout, tokens: int, sparse: bool = False) -> _Work:
+    """One block on one TP rank for a micro-batch of ``tokens`` (see :mod:`~lightning_hybrid.planner.step_time`);
+    ``sparse``: a mixture of experts' block (:mod:`~lightning_hybrid.planner.experts`)."""
+    key = (problem, tokens, layout.tp, layout.sequence_parallel, layout.recompute, layout.cp, layout.data_parallel,
+           layout.ep, layout.data_ranks if sparse else 0, sparse)
     work = _BLOCK_WORK.get(key)
     if work is None:
         if len(_BLOCK_WORK) >= _BLOCK_WORK_LIMIT:
             _BLOCK_WORK.clear()
-        work = _BLOCK_WORK[key] = _compute_block_work(problem, layout, tokens)
+        work = _BLOCK_WORK[key] = _compute_block_work(problem, layout, tokens, sparse)
     return work
 
 
-def _compute_block_work(problem: Problem, layout: Layout, tokens: int) -> _Work:
+# the matmuls of a dense block's SwiGLU (block_gemms' names, fused or not): a sparse block has the expert path instead
+_MLP_GEMMS = ("gate", "up", "gate_up", "down")
+
+
+def _compute_block_work(problem: Problem, layout: Layout, tokens: int, sparse: bool = False) -> _Work:
     """:func:`_block_work` without the memo (it reads only the layout fields in the memo's key)."""
     c, rt = problem.config, problem.runtime
-    shapes = block_gemms(c, layout.tp, rt.fused_projections)
+    shapes = {name: kn for name, kn in block_gemms(c, layout.tp, rt.fused_projections).items()
+              if not (sparse and name in _MLP_GEMMS)}
     casts = _float8_cast_seconds(problem, layout, tokens, shapes)  # in the GEMM's time: recompute replays them too
-    gemms = {name: _gemm_seconds(problem, tokens, k, n, float8=True) + casts[name] for name, (k, n) in shapes.items()}
+    gemms = {name: gemm_seconds(problem, tokens, k, n, float8=True) + casts[name] for name, (k, n) in shapes.items()}
     attention_flops = 12 * tokens * c.num_attention_heads * c.head_dim / layout.tp * problem.seq_len
     attention = attention_flops / (problem.hw.peak_flops(problem.precision) * problem.time_model.attention_efficiency)
     replayed_attention = attention / 3  # what a full recompute of the block adds
     if layout.cp > 1 and rt.ring_attention == "blockwise":  # this project's core: fp32 matmuls, block by block
         attention, replayed_attention = blockwise_attention_seconds(problem, layout, tokens)
     a, r = activation_bytes(problem)
-    forward_bytes = elementwise_bytes(c, layout.tp, layout.sequence_parallel, a, r, rt) * tokens
+    # the expert path: on every tp rank for all the micro-batch's tokens (gathered first under sequence parallel)
+    experts = expert_time(problem, layout, tokens, a, r) if sparse else ExpertTime(0.0, 0.0, 0.0, 0.0, 0.0, 0.0)
+    forward_bytes = elementwise_bytes(c, layout.tp, layout.sequence_parallel, a, r, rt, mlp=not sparse) * tokens
+    forward_bytes += experts.elementwise_bytes
     if r > a:  # autocast casts the block's fp32 matmul weights once per forward
-        forward_bytes += AUTOCAST_WEIGHT_CAST_BYTES * sum(k * n for k, n in shapes.values())
-    elementwise = _hbm_seconds(problem, forward_bytes)
-    per_block, replayed = tp_all_reduce_equivalents(layout.sequence_parallel)
+        forward_bytes += AUTOCAST_WEIGHT_CAST_BYTES * (sum(k * n for k, n in shapes.values()) + experts.weights)
+    elementwise = hbm_seconds(problem, forward_bytes)
+    per_block, replayed = tp_all_reduce_equivalents(layout.sequence_parallel, sparse)
     tp, exposed = tp_block_seconds(problem, layout, tokens * c.hidden_size * a, per_block, gemms)
     one = exposed * problem.hw.collective("all_reduce", tokens * c.hidden_size * a, layout.tp, False, blocking=True)
-    recompute = 0.0
+    gemm = sum(gemms.values()) + experts.gemm
+    recompute = experts.replayed
     if layout.recompute == "full":  # the whole forward again: a third of the GEMMs and of attention
-        recompute = sum(gemms.values()) / 3 + replayed_attention + elementwise + replayed * one
+        recompute += gemm / 3 + replayed_attention + elementwise + replayed * one
     elif layout.recompute == "selective":
         policy = SELECTIVE_POLICIES[rt.selective]
         gathers = policy.tp_all_gathers / 2 * one if layout.sequence_parallel else 0.0
-        recompute = sum(gemms[name] for name in policy.rerun(rt.fused_projections)) / 3 + elementwise + gathers
-    return _Work(gemm=sum(gemms.values()), attention=attention, elementwise=elementwise * (1 + ELEMENTWISE_BACKWARD),
-                 recompute=recompute, tp=tp, gemm_flops=sum(6 * tokens * k * n for k, n in shapes.values()),
+        rerun = [name for name in policy.rerun(rt.fused_projections) if name in gemms]
+        recompute += sum(gemms[name] for name in rerun) / 3 + elementwise + gathers
+    return _Work(gemm=gemm, attention=attention, elementwise=elementwise * (1 + ELEMENTWISE_BACKWARD),
+                 recompute=recompute, tp=tp, ep=experts.all_to_all,
+                 gemm_flops=sum(6 * tokens * k * n for k, n in shapes.values()) + experts.gemm_flops,
                  cp=cp_block_seconds(problem, layout, tokens, a))
 
 
@@ -202,15 +201,19 @@ def _head_work(problem: Problem, layout: Layout, tokens: int) -> _Work:
         tp = _tp_seconds(problem, layout, "all_reduce", tokens * c.hidden_size * a)
         if not rt.loss_parallel:
             tp += _tp_seconds(problem, layout, "all_gather", tokens * c.vocab_size * a)
-    return _Work(gemm=_gemm_seconds(problem, tokens, c.hidden_size, vocab),
-                 elementwise=_hbm_seconds(problem, tokens * loss_vocab * per_logit), tp=tp,
+    return _Work(gemm=gemm_seconds(problem, tokens, c.hidden_size, vocab),
+                 elementwise=hbm_seconds(problem, tokens * loss_vocab * per_logit), tp=tp,
                  gemm_flops=6 * tokens * c.hidden_size * vocab)
 
 
 def _rank_work(problem: Problem, layout: Layout, shape: LayoutShape, pp_rank: int) -> _Work:
     """One micro-batch on a pipeline rank: its blocks, the embedding on the first stage, the head on the last."""
     stages = shape.rank_stages[pp_rank]
-    work = _block_work(problem, layout, shape.tokens) * sum(shape.stage_blocks[s] for s in stages)
+    blocks = sum(shape.stage_blocks[s] for s in stages)
+    sparse = sum(shape.stage_sparse[s] for s in stages) if shape.stage_sparse else 0
+    work = _block_work(problem, layout, shape.tokens) * (blocks - sparse)
+    if sparse:
+        work = work + _block_work(problem, layout, shape.tokens, sparse=True) * sparse
     if 0 in stages and layout.tp > 1:  # the vocabulary-parallel embedding's output
         residual = activation_bytes(problem)[1]
         nbytes = shape.tokens * problem.config.hidden_size * residual
@@ -231,6 +234,28 @@ def _rank_cost(problem: Problem, layout: Layout, shape: LayoutShape, pp_rank: in
     return _RankCost(memory, state, _rank_work(problem, layout, shape, pp_rank))
 
 
+def _fsdp_seconds(problem: Problem, layout: Layout, state: dict[str, int]) -> Callable[[str, float, str], float]:
+    """``seconds(kind, bytes per element, unit)`` of FSDP's collective over a pipeline rank's ``"stage"`` or one
+    ``"block"``: over the shard ranks (dp x cp, ``tp`` apart), and under ``ep > 1`` the experts' part over the data
+    ranks holding the same experts (dp x cp / ep, ``ep x tp`` apart; none when that is one rank)."""
+    hw, config = problem.hw, problem.config
+    ranks = [d * layout.tp for d in range(layout.shard_ranks)]
+    dense = functools.partial(hw.collective, ranks=layout.shard_ranks, inter_node=_spans_nodes(ranks, hw.gpus_per_node))
+    experts = functools.partial(hw.collective, ranks=layout.expert_shard_ranks,
+                                inter_node=_spans_nodes(ranks[::layout.ep], hw.gpus_per_node))
+    sparse = layout.ep > 1 and is_moe(config)
+    block_experts = 3 * config.hidden_size * config.moe_intermediate_size * config.num_experts // layout.ep \
+        if sparse else 0
+    numel = {"stage": (state["stage_param_numel"], state["expert_param_numel"] if sparse else 0),
+             "block": (block_numel(config, layout.tp, layout.ep), block_experts)}
+
+    def seconds(kind: str, element_bytes: float, unit: str) -> float:
+        total, expert_part = numel[unit]
+        return dense(kind, (total - expert_part) * element_bytes) + experts(kind, expert_part * element_bytes)
+
+    return seconds
+
+
 def _data_parallel_seconds(problem: Problem, layout: Layout, shape: LayoutShape, slowest: _RankCost) -> float:
     """Exposed DP communication per step (see :mod:`lightning_hybrid.planner.step_time`)."""
     if layout.data_ranks == 1:
@@ -248,11 +273,12 @@ def _data_parallel_seconds(problem: Problem, layout: Layout, shape: LayoutShape,
                     + dp_collective("all_gather", state["param_numel"] * param_bytes))
             return max(0.0, comm - window)
         return dp_collective("all_reduce", state["grad_numel"] * prec.grad)
-    gather = dp_collective("all_gather", state["stage_param_numel"] * param_bytes)
-    scatter = dp_collective("reduce_scatter", state["stage_param_numel"] * prec.grad) + _replica_all_reduce(
+    fsdp = _fsdp_seconds(problem, layout, state)
+    gather = fsdp("all_gather", param_bytes, "stage")
+    scatter = fsdp("reduce_scatter", prec.grad, "stage") + _replica_all_reduce(
         problem, layout, state["stage_param_numel"] * prec.grad / layout.shard_ranks)
     if layout.pp > 1:  # the stage once, and each block again m times (fsdp_block_gathers), reduced once
-        regather = dp_collective("all_gather", block_numel(problem.config, layout.tp) * param_bytes) * state["blocks"]
+        regather = fsdp("all_gather", param_bytes, "block") * state["blocks"]
         # traced for 1F1B and GPipe; the multi-stage schedules' UNSHARD/RESHARD actions are not: once per step there
         single = layout.virtual_stages == 1 and layout.schedule in ("1f1b", "gpipe")
         extra = fsdp_block_gathers(layout.pp, layout.microbatches) - 1 if single and rt.fsdp_regather else 0
@@ -264,7 +290,7 @@ def _data_parallel_seconds(problem: Problem, layout: Layout, shape: LayoutShape,
     per_microbatch = 2 * gather + scatter  # forward and backward all-gather, one reduce-scatter
     if hw.scheduling_wait_s:  # no spare core: no core is free to run the prefetched collectives alongside
         return layout.microbatches * per_microbatch
-    first_unit = dp_collective("all_gather", block_numel(problem.config, layout.tp) * param_bytes)
+    first_unit = fsdp("all_gather", param_bytes, "block")
     return layout.microbatches * max(0.0, per_microbatch - slowest.work.total) + first_unit
 
 
@@ -303,16 +329,20 @@ def _optimizer_seconds(problem: Problem, shape: LayoutShape, slowest: _RankCost)
 
 
 def _time_detail(problem: Problem, layout: Layout, shape: LayoutShape, work: _Work) -> dict:
-    """What the compute time is made of, per step, and the efficiency each GEMM is planned at."""
+    """What the compute time is made of, per step, and the efficiency each GEMM is planned at (a mixture of experts'
+    router and experts at their rows: tokens x k x ep / E per local expert)."""
     hw, m, tokens = problem.hw, layout.microbatches, shape.tokens
     c = problem.config
-    shapes = dict(block_gemms(c, layout.tp, problem.runtime.fused_projections),
-                  head=(c.hidden_size, -(-c.vocab_size // layout.tp)))
+    shapes = {name: (tokens, k, n) for name, (k, n) in block_gemms(c, layout.tp, problem.runtime.fused_projections
+                                                                    ).items() if not (is_moe(c) and name in _MLP_GEMMS)}
+    shapes["head"] = (tokens, c.hidden_size, -(-c.vocab_size // layout.tp))
+    if is_moe(c):
+        shapes.update({name: (rows, k, n) for name, (rows, k, n, _) in expert_gemms(c, tokens, layout.ep).items()})
     return {"gemm": m * work.gemm, "attention": m * work.attention, "elementwise": m * work.elementwise,
             "gemm_efficiency": work.gemm_flops / (hw.peak_flops(problem.precision) * work.gemm) if work.gemm else 0.0,
-            "gemm_shapes": {name: [tokens, k, n] for name, (k, n) in shapes.items()},
-            "gemm_efficiencies": {name: gemm_efficiency(hw.compute_efficiency, problem.time_model.gemm_knee, tokens,
-                                                        k, n) for name, (k, n) in shapes.items()}}
+            "gemm_shapes": {name: [rows, k, n] for name, (rows, k, n) in shapes.items()},
+            "gemm_efficiencies": {name: gemm_efficiency(hw.compute_efficiency, problem.time_model.gemm_knee, rows,
+                                                        k, n) for name, (rows, k, n) in shapes.items()}}
 
 
 def _core_sharing_seconds(problem: Problem, layout: Layout, ranks: list[_RankCost], time: dict[str, float]) -> float:
@@ -330,7 +360,7 @@ def _core_sharing_seconds(problem: Problem, layout: Layout, ranks: list[_RankCos
     on_node = min(hw.gpus_per_node, hw.gpus)  # processes of a node: on_node / pp of them per pipeline position
     busy = on_node / layout.pp * sum(layout.microbatches * (r.work.compute + r.work.recompute) for r in ranks)
     busy += on_node * time["optimizer"]
-    communication = sum(time.get(key, 0.0) for key in ("tp_comm", "dp_comm", "cp_comm"))
+    communication = sum(time.get(key, 0.0) for key in ("tp_comm", "dp_comm", "cp_comm", "ep_comm"))
     return max(0.0, busy / hw.cores_per_node + communication - sum(time.values()))
 
 
@@ -347,6 +377,8 @@ def estimate(problem: Problem, layout: Layout) -> Estimate:
             "optimizer": _optimizer_seconds(problem, shape, slowest)}
     if layout.cp > 1:
         time["cp_comm"] = m * work.cp
+    if is_moe(problem.config):
+        time["ep_comm"] = m * work.ep
     time["core_sharing"] = _core_sharing_seconds(problem, layout, ranks, time)
     time["step"] = sum(time.values())
     step_tokens = problem.global_batch * problem.seq_len

@@ -14,6 +14,7 @@ from typing import Iterator, Optional
 from lightning_hybrid.distributed.parallel_dims import divisors, tied_embedding_error
 from lightning_hybrid.distributed.pipeline.schedules import validate_schedule
 from lightning_hybrid.models.qwen2.config import Qwen2Config
+from lightning_hybrid.planner.experts import ep_reason, selective_recompute_reason
 from lightning_hybrid.planner.step_time import Hardware, Runtime, TimeModel
 
 __all__ = ["Layout", "Estimate", "Problem", "Choices", "layout_reason", "mesh_sizes", "context_sizes",
@@ -40,6 +41,7 @@ class Layout:
     sequence_parallel: bool = False
     cp: int = 1  # context parallel: each sequence split over cp ranks (next to tp), FSDP over dp x cp
     dp_shard: int = 0  # HSDP's shard group (data_parallel "hsdp"); 0 otherwise
+    ep: int = 1  # expert parallel: carved from dp, each ep rank holds num_experts / ep experts (planner/experts.py)
 
     @property
     def data_ranks(self) -> int:
@@ -51,6 +53,11 @@ class Layout:
         """Ranks FSDP shards the parameters over: dp x cp, or dp_shard x cp under HSDP."""
         return (self.dp_shard if self.data_parallel == "hsdp" else self.dp) * self.cp
 
+    @property
+    def expert_shard_ranks(self) -> int:
+        """Ranks FSDP shards one ep rank's experts over: the data ranks holding the same experts, dp x cp / ep."""
+        return self.shard_ranks // self.ep
+
     def describe(self) -> str:
         """One line naming every choice, as the explanations print it."""
         mode = self.data_parallel if self.dp > 1 else "none"
@@ -58,6 +65,8 @@ class Layout:
             mode += f"(shard={self.dp_shard})"
         if self.cp > 1:
             mode = f"cp={self.cp} {mode}"
+        if self.ep > 1:
+            mode += f" ep={self.ep}"
         sched = self.schedule if self.pp > 1 else "-"
         if self.virtual_stages > 1:
             sched += f"(v={self.virtual_stages})"
@@ -109,9 +118,13 @@ class Problem:
 
 
 
-def layout_reason(problem: Problem, tp: int, pp: int, dp: int, virtual_stages: int) -> str:
+def layout_reason(problem: Problem, tp: int, pp: int, dp: int, virtual_stages: int, ep: int = 1,
+                  data_parallel: str = "fsdp") -> str:
     """Why a mesh cannot run this model at all ('' when it can)."""
     config, num_stages = problem.config, pp * virtual_stages
+    refused = ep_reason(config, ep, dp, data_parallel)
+    if refused:
+        return refused
     if tp > problem.hw.gpus_per_node:
         return f"tp={tp} leaves the node ({problem.hw.gpus_per_node} GPUs per node)"
     for name in ("num_attention_heads", "num_key_value_heads"):
@@ -196,10 +209,13 @@ def schedule_fits(schedule: str, pp: int, virtual_stages: int, microbatches: int
     return True
 
 
-def layouts(tp: int, pp: int, dp: int, per_replica: int, choices: Choices, cp: int = 1) -> Iterator[Layout]:
-    """Every layout of the mesh ``(tp, pp, dp, cp)`` within ``choices`` that the schedule allows, for a batch of
-    ``per_replica`` sequences per data-parallel rank and step."""
+def layouts(tp: int, pp: int, dp: int, per_replica: int, choices: Choices, cp: int = 1,
+            ep: int = 1) -> Iterator[Layout]:
+    """Every layout of the mesh ``(tp, pp, dp, cp, ep)`` within ``choices`` that the schedule allows, for a batch of
+    ``per_replica`` sequences per data-parallel rank and step (``ep > 1``: FSDP only, as the strategy requires)."""
     for mode, shard in choices.modes:
+        if ep > 1 and mode != "fsdp":
+            continue
         for m in choices.microbatches:
             if per_replica % m:
                 continue
@@ -207,5 +223,8 @@ def layouts(tp: int, pp: int, dp: int, per_replica: int, choices: Choices, cp: i
                 if pp > 1 and not schedule_fits(schedule, pp, v, m):
                     continue
                 for recompute in choices.recompute:
+                    if selective_recompute_reason(ep, dp * cp, recompute):
+                        continue  # the strategy refuses it (planner/experts.py)
                     for sp in choices.sequence_parallel:
-                        yield Layout(tp, pp, dp, mode, per_replica // m, m, schedule, v, recompute, sp, cp, shard)
+                        yield Layout(tp, pp, dp, mode, per_replica // m, m, schedule, v, recompute, sp, cp, shard,
+                                     ep)

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from lightning_hybrid.distributed.options import GRADIENT_BUCKET_BYTES
 from lightning_hybrid.models.qwen2.config import Qwen2Config
 from lightning_hybrid.planner.context_parallel import blockwise_working_bytes
+from lightning_hybrid.planner.experts import sparse_flags
 from lightning_hybrid.planner.layout import Layout, Problem
 from lightning_hybrid.planner.memory import (
     PRECISIONS,
@@ -38,15 +39,31 @@ LOW_PRECISION_BYTES = 2
 
 @functools.lru_cache(maxsize=65536)
 def _rank_memory(config: Qwen2Config, tp: int, pp: int, dp: int, mode: str, r: int, precision: str,
-                 optimizer: str, v: int) -> dict[str, int]:
-    return rank_memory(config, tp, pp, dp, mode, r, 0, 0, precision, optimizer, v)
+                 optimizer: str, v: int, ep: int = 1) -> dict[str, int]:
+    return rank_memory(config, tp, pp, dp, mode, r, 0, 0, precision, optimizer, v, ep=ep)
 
 
 @functools.lru_cache(maxsize=1024)
-def block_numel(config: Qwen2Config, tp: int) -> int:
-    """TP-local parameters of one block (an FSDP unit)."""
-    shapes = rank_parameter_shapes(config, tp, 0, [0], embedding=False, head=False)
-    return sum(math.prod(s) for s in shapes.values())
+def block_numel(config: Qwen2Config, tp: int, ep: int = 1) -> int:
+    """TP-local (experts: EP-local) parameters of the largest block: what FSDP gathers for one block, its experts'
+    unit included."""
+    return max(sum(math.prod(s) for s in rank_parameter_shapes(config, tp, 0, [i], embedding=False, head=False,
+                                                                ep=ep).values())
+               for i in _block_kinds(config))
+
+
+@functools.lru_cache(maxsize=1024)
+def _block_kinds(config: Qwen2Config) -> tuple[int, ...]:
+    """One block of each kind (dense, sparse) of ``config``."""
+    flags = sparse_flags(config)
+    return tuple(sorted({flags.index(kind) for kind in set(flags)}))
+
+
+@functools.lru_cache(maxsize=4096)
+def _stage_sparse(config: Qwen2Config, stage_blocks: tuple[int, ...]) -> tuple[int, ...]:
+    """Sparse blocks (mixtures of experts) per stage, the stages holding ``stage_blocks`` blocks in order."""
+    flags, starts = sparse_flags(config), [sum(stage_blocks[:s]) for s in range(len(stage_blocks))]
+    return tuple(sum(flags[b] for b in range(start, start + n)) for start, n in zip(starts, stage_blocks))
 
 
 @dataclass(frozen=True)
@@ -61,19 +78,28 @@ class LayoutShape:
     fsdp: bool  # FSDP over dp > 1 (else replication or no data parallelism)
     precision: Precision
     gathered_kv: float = 0.0  # bytes per block and micro-batch of the other cp ranks' K/V kept for backward
+    stage_sparse: tuple[int, ...] = ()  # of stage_blocks, the mixtures of experts per stage
+
+    def held(self, stage: int) -> float:
+        """Activation bytes per token of one micro-batch in ``stage``'s blocks (dense and sparse)."""
+        sparse = self.stage_sparse[stage] if self.stage_sparse else 0
+        return (self.stage_blocks[stage] - sparse) * self.activations.layer + sparse * self.activations.sparse_layer
 
 
 
 def layout_shape(problem: Problem, layout: Layout) -> LayoutShape:
     num_stages = layout.pp * layout.virtual_stages
     activations = activation_model(problem.config, layout.tp, layout.sequence_parallel, layout.recompute,
-                                   problem.precision, problem.seq_len, problem.runtime.loss_parallel)
+                                   problem.precision, problem.seq_len, problem.runtime.loss_parallel, layout.ep,
+                                   activation_bytes(problem)[1])
+    stage_blocks = split_blocks(problem.config, num_stages)
     # a rank holds seq_len / cp tokens of each sequence: activations and per-token work divide by cp
     return LayoutShape(tokens=layout.micro_batch_size * problem.seq_len // layout.cp, activations=activations,
                         rank_stages=rank_stages(layout.pp, layout.virtual_stages),
-                        stage_blocks=split_blocks(problem.config, num_stages), last_stage=num_stages - 1,
+                        stage_blocks=stage_blocks, last_stage=num_stages - 1,
                         fsdp=layout.data_parallel != "replicate" and layout.data_ranks > 1,
-                        precision=PRECISIONS[problem.precision], gathered_kv=_gathered_kv_bytes(problem, layout))
+                        precision=PRECISIONS[problem.precision], gathered_kv=_gathered_kv_bytes(problem, layout),
+                        stage_sparse=_stage_sparse(problem.config, stage_blocks))
 
 
 def _gathered_kv_bytes(problem: Problem, layout: Layout) -> float:
@@ -93,7 +119,7 @@ def _held_activation_bytes(layout: Layout, shape: LayoutShape, pp_rank: int, kee
     ``return_outputs=False``)."""
     act, counts = shape.activations, shape.stage_blocks
     inflight = inflight_microbatches(layout.schedule, layout.pp, layout.virtual_stages, layout.microbatches, pp_rank)
-    held = sum(n * ((counts[s] * act.layer + (act.embedding if s == 0 else 0)
+    held = sum(n * ((shape.held(s) + (act.embedding if s == 0 else 0)
                      + (act.head if s == shape.last_stage else 0)) * shape.tokens + counts[s] * shape.gathered_kv)
                for n, s in zip(inflight, shape.rank_stages[pp_rank]))
     if layout.pp > 1 and shape.last_stage in shape.rank_stages[pp_rank]:
@@ -111,8 +137,8 @@ def _data_parallel_buffer_bytes(config: Qwen2Config, layout: Layout, shape: Layo
     if shape.fsdp and layout.pp > 1:  # torch's schedules keep the stage unsharded (params and grads) through the step
         return gathered + state["stage_param_numel"] * prec.grad
     if shape.fsdp:  # the root unit (embedding, norm, head) stays gathered; two blocks in flight with prefetch
-        block = block_numel(config, layout.tp) * prec.gather
-        return gathered - block * state["blocks"] + FSDP_BLOCKS_IN_FLIGHT * block
+        block = block_numel(config, layout.tp, layout.ep) * prec.gather
+        return gathered - state["block_param_numel"] * prec.gather + FSDP_BLOCKS_IN_FLIGHT * block
     return GRADIENT_BUCKET_BYTES if layout.data_ranks > 1 else 0.0
 
 
@@ -126,8 +152,8 @@ def _autocast_copy_bytes(config: Qwen2Config, layout: Layout, shape: LayoutShape
         return 0.0  # FSDP2 gathers the weights in the compute dtype already: autocast's cast returns them as they are
     autocast = state["matmul_param_numel"] * copy
     if layout.recompute != "none":
-        block_copies = block_numel(config, layout.tp) * copy
-        autocast = autocast - state["blocks"] * block_copies + block_copies
+        block_copies = block_numel(config, layout.tp, layout.ep) * copy
+        autocast = autocast - state["block_param_numel"] * copy + block_copies
     return autocast
 
 
@@ -137,10 +163,11 @@ def rank_memory_shape_breakdown(problem: Problem, layout: Layout, shape: LayoutS
     prec, act = shape.precision, shape.activations
     state = _rank_memory(problem.config, layout.tp, layout.pp, layout.shard_ranks if shape.fsdp else layout.data_ranks,
                          "fsdp" if shape.fsdp else "replicate",
-                         pp_rank, problem.precision, problem.optimizer, layout.virtual_stages)
+                         pp_rank, problem.precision, problem.optimizer, layout.virtual_stages, layout.ep)
     held = _held_activation_bytes(layout, shape, pp_rank, problem.runtime.pipeline_keeps_outputs)
     has_head = shape.last_stage in shape.rank_stages[pp_rank]
-    working = max(act.layer_working * shape.tokens + blockwise_working_bytes(problem, layout, shape.tokens),
+    block_working = max(act.layer_working, act.sparse_working)
+    working = max(block_working * shape.tokens + blockwise_working_bytes(problem, layout, shape.tokens),
                   act.loss_working * shape.tokens if has_head else 0.0)
     fsdp_buffers = _data_parallel_buffer_bytes(problem.config, layout, shape, state)
     autocast = _autocast_copy_bytes(problem.config, layout, shape, state)

@@ -37,7 +37,9 @@ from dataclasses import dataclass
 from typing import Optional, Sequence
 
 from lightning_hybrid.distributed.parallel_dims import tied_embedding_error
+from lightning_hybrid.models.decoder.moe_config import is_expert_tensor
 from lightning_hybrid.models.qwen2.config import Qwen2Config, block_tensor_shapes, parallel_spec
+from lightning_hybrid.planner.experts import expert_saved_bytes, is_moe
 
 __all__ = ["Precision", "PRECISIONS", "OPTIMIZERS", "RECOMPUTE", "split_blocks", "rank_stages",
            "rank_parameter_shapes", "chunk_rows", "rank_memory", "ActivationModel", "activation_model",
@@ -136,12 +138,14 @@ def _tp_local(shape: tuple[int, ...], dim: Optional[int], tp: int, tp_rank: int)
 
 
 def rank_parameter_shapes(config: Qwen2Config, tp: int, tp_rank: int, blocks: Sequence[int],
-                          embedding: bool, head: bool, num_stages: Optional[int] = None) -> dict[str, tuple[int, ...]]:
-    """TP-local shapes of the parameters a rank holds, by their (global) parameter names.
+                          embedding: bool, head: bool, num_stages: Optional[int] = None, ep: int = 1,
+                          ep_rank: int = 0) -> dict[str, tuple[int, ...]]:
+    """TP-local (and for the experts EP-local) shapes of the parameters a rank holds, by their (global) names.
 
     A tied embedding held together with the head is listed once, under ``embed_tokens.weight``.
     ``num_stages`` (pipeline stages of the whole model) is for the tied-embedding check; ``None`` assumes
-    one stage when the rank holds both the embedding and the head or neither, else two.
+    one stage when the rank holds both the embedding and the head or neither, else two. The experts of a sparse
+    block are not split by tp; ``ep`` ranks split them on dim 0 (the rank at ``ep_rank`` holds its chunk).
 
     Raises:
         ValueError: ``tie_word_embeddings`` with ``tp > 1`` or several pipeline stages (the strategy refuses
@@ -157,10 +161,12 @@ def rank_parameter_shapes(config: Qwen2Config, tp: int, tp_rank: int, blocks: Se
     shapes: dict[str, tuple[int, ...]] = {}
     if embedding:
         shapes["embed_tokens.weight"] = _tp_local((c.vocab_size, h), vocab_dim, tp, tp_rank)
-    block_shapes = block_tensor_shapes(c)  # name -> (global shape, TP split dim)
     for i in blocks:
-        for name, (shape, dim) in block_shapes.items():
-            shapes[f"layers.{i}.{name}"] = _tp_local(shape, dim, tp, tp_rank)
+        for name, (shape, dim) in _block_shapes(c, i).items():
+            local = _tp_local(shape, dim, tp, tp_rank)
+            if ep > 1 and is_expert_tensor(name):
+                local = (chunk_rows(local[0], ep, ep_rank), *local[1:])
+            shapes[f"layers.{i}.{name}"] = local
     if head:
         shapes["norm.weight"] = (h,)
         if not (c.tie_word_embeddings and embedding):
@@ -172,6 +178,12 @@ def _numel(shape: tuple[int, ...]) -> int:
     return math.prod(shape)
 
 
+@functools.lru_cache(maxsize=4096)
+def _block_shapes(config: Qwen2Config, layer: int) -> dict[str, tuple[tuple[int, ...], Optional[int]]]:
+    """Block ``layer``'s tensors: name -> (global shape, TP split dim); a dense and a sparse block differ."""
+    return block_tensor_shapes(config, layer)
+
+
 def _dp_local_numel(shape: tuple[int, ...], dp: int, dp_rank: int, fsdp: bool) -> int:
     if not fsdp or dp == 1:
         return _numel(shape)
@@ -181,7 +193,8 @@ def _dp_local_numel(shape: tuple[int, ...], dp: int, dp_rank: int, fsdp: bool) -
 def rank_memory(config: Qwen2Config, tp: int, pp: int, dp: int, data_parallel: str = "fsdp",
                 stage_index: int = 0, tp_rank: int = 0, dp_rank: int = 0, precision: str = "bf16-mixed",
                 optimizer: str = "adamw", virtual_stages: int = 1, stage_style: str = "loop",
-                stage_blocks: Optional[Sequence[int]] = None) -> dict[str, int]:
+                stage_blocks: Optional[Sequence[int]] = None, ep: int = 1, ep_rank: int = 0,
+                expert_dp_rank: Optional[int] = None) -> dict[str, int]:
     """Parameter, gradient and optimizer bytes allocated by the rank at mesh coordinates (pp, dp, tp).
 
     Args:
@@ -196,17 +209,23 @@ def rank_memory(config: Qwen2Config, tp: int, pp: int, dp: int, data_parallel: s
         stage_style: ``"loop"`` (rank r holds r, r+pp, ...) or ``"v"`` (rank r holds r and 2pp-1-r).
         stage_blocks: block counts per stage (``pp * virtual_stages`` of them); ``None`` uses
             :func:`split_blocks`.
+        ep, ep_rank: expert parallelism: each of ``ep`` ranks holds its chunk of the experts (dim 0), which FSDP
+            shards over the ``dp / ep`` data ranks holding the same ones (``dp`` counts the FSDP ranks, dp x cp).
+        expert_dp_rank: the rank's index among those ``dp / ep`` ranks (default ``dp_rank // ep``, right without
+            cp).
 
     Returns:
         ``param_numel``, ``grad_numel``, ``param_tensors``, ``param_bytes``, ``grad_bytes``,
         ``optimizer_bytes`` (states plus step scalars), ``optimizer_state_numel``, ``stage_param_numel``
-        (TP-local, before dp sharding: what FSDP gathers), ``matmul_param_numel`` (the part of it that feeds
-        matmuls) and ``blocks``.
+        (TP- and EP-local, before dp sharding: what FSDP gathers), ``expert_param_numel`` (its experts' part, a unit
+        of its own over ``dp / ep`` ranks under ``ep > 1``), ``block_param_numel`` (its blocks' part),
+        ``matmul_param_numel`` (the part that feeds matmuls) and ``blocks``.
 
     Raises:
         ValueError: a coordinate is out of range, or the stages do not cover the blocks.
     """
-    for name, value, size in (("stage_index", stage_index, pp), ("tp_rank", tp_rank, tp), ("dp_rank", dp_rank, dp)):
+    for name, value, size in (("stage_index", stage_index, pp), ("tp_rank", tp_rank, tp), ("dp_rank", dp_rank, dp),
+                              ("ep_rank", ep_rank, ep)):
         if not 0 <= value < size:
             raise ValueError(f"{name}={value} is out of range for size {size}; use 0 to {size - 1}")
     mode = _choice("data_parallel", data_parallel, ("fsdp", "replicate"))
@@ -216,26 +235,30 @@ def rank_memory(config: Qwen2Config, tp: int, pp: int, dp: int, data_parallel: s
     mine, blocks = _rank_blocks(config, pp, virtual_stages, stage_index, stage_style, stage_blocks)
     holds_head = num_stages - 1 in mine
     shapes = rank_parameter_shapes(config, tp, tp_rank, blocks, embedding=0 in mine, head=holds_head,
-                                   num_stages=num_stages)
+                                   num_stages=num_stages, ep=ep, ep_rank=ep_rank)
     fsdp = mode == "fsdp" and dp > 1
-    numel = sum(_dp_local_numel(shape, dp, dp_rank, fsdp) for shape in shapes.values())
+    expert_index = dp_rank // ep if expert_dp_rank is None else expert_dp_rank
+    numel = sum(_dp_local_numel(shape, dp // ep, expert_index, fsdp) if ep > 1 and is_expert_tensor(name)
+                else _dp_local_numel(shape, dp, dp_rank, fsdp) for name, shape in shapes.items())
     grad_numel = numel
     if tp > 1 and not fsdp and "embed_tokens.weight" in shapes:
         # torch's vocabulary-parallel embedding (RowwiseParallel) produces a Replicate gradient: the full
         # (vocab x hidden) table on every TP rank. FSDP reduce-scatters it into the parameter's shard.
         grad_numel += config.vocab_size * config.hidden_size - _numel(shapes["embed_tokens.weight"])
-    return {
-        "param_numel": numel,
-        "grad_numel": grad_numel,
-        "param_tensors": len(shapes),
-        "param_bytes": numel * prec.param,
-        "grad_bytes": grad_numel * prec.grad,
-        "optimizer_state_numel": numel * states,
-        "optimizer_bytes": numel * states * prec.state + (len(shapes) * _STEP_BYTES if has_step else 0),
-        "stage_param_numel": sum(_numel(shape) for shape in shapes.values()),
-        "matmul_param_numel": _matmul_numel(config, shapes, holds_head),
-        "blocks": len(blocks),
-    }
+    return {"param_numel": numel, "grad_numel": grad_numel, "param_tensors": len(shapes),
+            "param_bytes": numel * prec.param, "grad_bytes": grad_numel * prec.grad,
+            "optimizer_state_numel": numel * states,
+            "optimizer_bytes": numel * states * prec.state + (len(shapes) * _STEP_BYTES if has_step else 0),
+            **_unsharded_numel(config, shapes, holds_head), "blocks": len(blocks)}
+
+
+def _unsharded_numel(config: Qwen2Config, shapes: dict[str, tuple[int, ...]], holds_head: bool) -> dict[str, int]:
+    """Elements of a rank's TP- and EP-local tensors before FSDP: all (``stage_param_numel``), the experts', the
+    blocks' and those feeding matmuls (see :func:`rank_memory`)."""
+    return {"stage_param_numel": sum(_numel(shape) for shape in shapes.values()),
+            "expert_param_numel": sum(_numel(shape) for name, shape in shapes.items() if is_expert_tensor(name)),
+            "block_param_numel": sum(_numel(shape) for name, shape in shapes.items() if name.startswith("layers.")),
+            "matmul_param_numel": _matmul_numel(config, shapes, holds_head)}
 
 
 def _rank_blocks(config: Qwen2Config, pp: int, virtual_stages: int, stage_index: int, stage_style: str,
@@ -283,6 +306,7 @@ class ActivationModel:
         logits: the last stage's output, the logits in the compute dtype (all-gathered to the full vocabulary,
             or this rank's vocabulary shard under loss parallel): a pipeline's last stage holds them per micro-batch in
             flight (or, when its schedule returns its outputs, per micro-batch of the step).
+        sparse_layer, sparse_working: ``layer`` and ``layer_working`` of a mixture of experts' sparse block.
     """
 
     layer: float
@@ -291,6 +315,8 @@ class ActivationModel:
     layer_working: float
     loss_working: float
     logits: float = 0.0
+    sparse_layer: float = 0.0
+    sparse_working: float = 0.0
 
 
 def _norm_saved(h: float, prec: Precision, tp: int, sp: bool, consumers: int) -> float:
@@ -307,15 +333,17 @@ def _norm_saved(h: float, prec: Precision, tp: int, sp: bool, consumers: int) ->
 
 
 def activation_model(config: Qwen2Config, tp: int = 1, sequence_parallel: bool = False, recompute: str = "none",
-                     precision: str = "bf16-mixed", seq_len: int = 4096, loss_parallel: bool = False
-                     ) -> ActivationModel:
+                     precision: str = "bf16-mixed", seq_len: int = 4096, loss_parallel: bool = False, ep: int = 1,
+                     expert_residual: Optional[int] = None) -> ActivationModel:
     """Saved-for-backward bytes per token for this Qwen2 implementation (see the module docstring).
 
     ``recompute``: ``"none"``; ``"selective"`` keeps the block input and the outputs of the matmuls and of
     attention and recomputes norms, rotary, SiLU and products (an op-level policy that adds no matmul
     FLOPs); ``"full"`` keeps only each block's input and recomputes the block in backward. ``loss_parallel``: the
     head's logits stay vocabulary shards (``vocab / tp`` per rank) through the loss; else (and at ``tp == 1``) every
-    TP rank holds the full vocabulary.
+    TP rank holds the full vocabulary. A mixture of experts' sparse blocks (``sparse_layer``, ``sparse_working``)
+    under ``ep`` (:mod:`~lightning_hybrid.planner.experts`); ``expert_residual``: bytes of the residual stream its
+    expert path sees (bf16 with bf16 compute weights; default the precision's).
     """
     c, prec = config, PRECISIONS[_choice("precision", precision, tuple(PRECISIONS))]
     mode = _choice("recompute", recompute, RECOMPUTE)
@@ -354,9 +382,30 @@ def activation_model(config: Qwen2Config, tp: int = 1, sequence_parallel: bool =
     # the loss's backward, as the dry run of the 72B SFT recipe's last stage traces it (docs/dry-run.md): the NLL's and
     # the log-softmax's fp32 gradients; under loss parallel torch's fused backward holds three fp32 shards at once
     loss_working = (12 if loss_parallel and tp > 1 else 8) * vocab
+    sparse = _sparse_block(c, prec, tp, sp, mode, full, layer, ep, expert_residual or prec.residual) \
+        if is_moe(c) else (0.0, 0.0)
     return ActivationModel(layer=layer, embedding=8.0, head=head,
                            layer_working=full + (full if mode != "none" else 0.0), loss_working=loss_working,
-                           logits=a * vocab)
+                           logits=a * vocab, sparse_layer=sparse[0], sparse_working=sparse[1])
+
+
+def _sparse_block(config: Qwen2Config, prec: Precision, tp: int, sp: bool, mode: str, full: float, layer: float,
+                  ep: int, residual: int) -> tuple[float, float]:
+    """(saved, working) bytes per token of a sparse block: a dense block's attention half, its second norm feeding
+    the router alone, and the expert path (:func:`~lightning_hybrid.planner.experts.expert_saved_bytes`, whole on
+    every tp rank) in place of the SwiGLU's."""
+    h, a, inter = config.hidden_size, prec.compute, config.intermediate_size
+    dense_mlp = _norm_saved(h, prec, tp, sp, 2) + 4 * a * inter / tp
+    experts = _norm_saved(h, prec, tp, sp, 1) + expert_saved_bytes(config, "none", a, residual, ep)
+    sparse_full = full - dense_mlp + experts
+    if mode == "none":
+        saved = sparse_full
+    elif mode == "selective":  # the SwiGLU's matmul outputs (gate, up, down, down's unreduced) give way to the experts'
+        dense_outputs = 2 * a * inter / tp + a * h / (tp if sp else 1) + (a * h if tp > 1 else 0.0)
+        saved = layer - dense_outputs + expert_saved_bytes(config, "selective", a, residual, ep)
+    else:
+        saved = layer
+    return saved, sparse_full + (sparse_full if mode != "none" else 0.0)
 
 
 def inflight_microbatches(schedule: str, pp: int, virtual_stages: int, microbatches: int,

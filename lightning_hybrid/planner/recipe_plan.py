@@ -15,6 +15,7 @@ from typing import Any, Callable, Optional
 from lightning_hybrid.hardware import SYSTEM_GPUS
 from lightning_hybrid.models.qwen2.config import Qwen2Config
 from lightning_hybrid.planner.cost import estimate
+from lightning_hybrid.planner.experts import ep_reason
 from lightning_hybrid.planner.layout import Estimate, Layout, Problem
 from lightning_hybrid.planner.runtime import runtime_features, runtime_from_options
 from lightning_hybrid.planner.search import search
@@ -182,7 +183,10 @@ def plan_recipe(path: str, gpu: Optional[str] = None, overrides: Overrides = Ove
                     virtual_stages=int(s.get("virtual_stages") or 1),
                     recompute=str(s.get("activation_checkpointing") or "none"),
                     sequence_parallel=bool(s.get("sequence_parallel")), cp=cp,
-                    dp_shard=int(s.get("dp_shard") or 0) if mode == "hsdp" else 0)
+                    dp_shard=int(s.get("dp_shard") or 0) if mode == "hsdp" else 0, ep=int(s.get("ep") or 1))
+    refused = ep_reason(problem.config, layout.ep, dp, mode)
+    if refused:
+        raise ValueError(f"--config {path}: {refused}")
     feasible, _ = search(problem)
     return RecipePlan(problem, estimate(problem, layout), feasible[0] if feasible else None, s, dict(sources))
 
@@ -191,8 +195,8 @@ def format_recipe_plan(plan: RecipePlan) -> list[str]:
     """The text report: where each value came from, the recipe's layout and the fastest one (step time, MFU,
     memory), and the runtime features on."""
     p = plan.problem
-    lines = [f"plan of the recipe: {p.config.name} on {p.hw.gpus} x {p.hw.gpu.name}, seq {p.seq_len}, global batch "
-             f"{p.global_batch}, {p.precision}",
+    lines = [f"plan of the recipe (predicted): {p.config.name} on {p.hw.gpus} x {p.hw.gpu.name}, seq {p.seq_len}, "
+             f"global batch {p.global_batch}, {p.precision}",
              "values: " + "; ".join(f"{name} {value} ({source})" for name, (value, source) in plan.sources.items()),
              "runtime features: " + ", ".join(f"{name} {'on' if on else 'off'}"
                                                for name, on in runtime_features(p.runtime).items())]

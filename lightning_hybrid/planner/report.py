@@ -5,7 +5,7 @@ from __future__ import annotations
 from lightning_hybrid.hardware import GPU
 from lightning_hybrid.planner.layout import Estimate, Layout
 
-__all__ = ["gpu_figures", "format_table", "explain_time"]
+__all__ = ["gpu_figures", "format_table", "explain_time", "strategy_arguments"]
 
 
 def gpu_figures(gpu: GPU) -> dict[str, object]:
@@ -28,10 +28,12 @@ def _dp_mode(layout: Layout) -> str:
 
 def format_table(rows: list[Estimate]) -> str:
     """The ranked table: layout, memory breakdown (GB), step time breakdown (s), MFU, tokens/s."""
-    head = (f"{'#':>3} {'tp':>2} {'cp':>2} {'pp':>3} {'dp':>3} {'dp-mode':<9} {'mbs':>3} {'m':>4} {'schedule':<13} "
-            f"{'recomp':<9} {'sp':<2} | {'wts':>5} {'grad':>5} {'opt':>5} {'act':>6} {'other':>5} {'total':>6} "
-            f"/{'usable':>6} | {'step':>6} {'comp':>6} {'recomp':>6} {'tp+cp':>6} {'bubble':>6} {'dp':>6} | {'MFU':>5} "
-            f"{'tok/s':>8}")
+    experts = any("ep_comm" in e.time for e in rows)  # a mixture of experts: the ep size and the all-to-alls
+    head = f"{'#':>3} {'tp':>2} {'cp':>2} {'pp':>3} {'dp':>3} " + (f"{'ep':>3} " if experts else "")
+    head += (f"{'dp-mode':<9} {'mbs':>3} {'m':>4} {'schedule':<13} "
+             f"{'recomp':<9} {'sp':<2} | {'wts':>5} {'grad':>5} {'opt':>5} {'act':>6} {'other':>5} {'total':>6} "
+             f"/{'usable':>6} | {'step':>6} {'comp':>6} {'recomp':>6} {'tp+cp':>6} "
+             + (f"{'a2a':>6} " if experts else "") + f"{'bubble':>6} {'dp':>6} | {'MFU':>5} {'tok/s':>8}")
     lines = [head, "-" * len(head)]
     for i, e in enumerate(rows, 1):
         L, m, t = e.layout, e.memory, e.time
@@ -39,13 +41,13 @@ def format_table(rows: list[Estimate]) -> str:
             f" v={L.virtual_stages}" if L.virtual_stages > 1 else "")
         other = m["working"] + m["fsdp_buffers"] + m["autocast_copies"]
         lines.append(
-            f"{i:>3} {L.tp:>2} {L.cp:>2} {L.pp:>3} {L.dp:>3} {_dp_mode(L):<9} "
-            f"{L.micro_batch_size:>3} {L.microbatches:>4} {sched:<13} {L.recompute:<9} "
+            f"{i:>3} {L.tp:>2} {L.cp:>2} {L.pp:>3} {L.dp:>3} " + (f"{L.ep:>3} " if experts else "")
+            + f"{_dp_mode(L):<9} {L.micro_batch_size:>3} {L.microbatches:>4} {sched:<13} {L.recompute:<9} "
             f"{('y' if L.sequence_parallel else 'n'):<2} | {_gb(m['weights']):>5} {_gb(m['gradients']):>5} "
             f"{_gb(m['optimizer']):>5} {_gb(m['activations']):>6} {_gb(other):>5} {_gb(m['total']):>6} "
             f"/{_gb(e.usable):>6} | {t['step']:>6.2f} {t['compute']:>6.2f} {t['recompute']:>6.2f} "
-            f"{t['tp_comm'] + t.get('cp_comm', 0.0):>6.2f} {t['pp_bubble']:>6.2f} "
-            f"{t['dp_comm'] + t['optimizer']:>6.2f} | {e.mfu:>5.1%} "
+            f"{t['tp_comm'] + t.get('cp_comm', 0.0):>6.2f} " + (f"{t.get('ep_comm', 0.0):>6.2f} " if experts else "")
+            + f"{t['pp_bubble']:>6.2f} {t['dp_comm'] + t['optimizer']:>6.2f} | {e.mfu:>5.1%} "
             f"{e.tokens_per_second:>8.0f}")
     return "\n".join(lines)
 
@@ -63,9 +65,32 @@ def explain_time(e: Estimate) -> list[str]:
             ("exposed TP", t["tp_comm"], "activation all-reduces (or SP reduce-scatter + all-gather) in the "
              "critical path, 4 per block and micro-batch"),
             ("exposed DP", t["dp_comm"], "gradient all-reduce / FSDP gathers and reduce-scatters not hidden"),
+            *([("exposed EP", t["ep_comm"], f"ep={e.layout.ep}: the all-to-alls of the experts' rows (dispatch and "
+               "combine, forward and backward), the per-expert counts and the load sum, in the critical path")]
+              if "ep_comm" in t else []),
             ("bubble", t["pp_bubble"], "pipeline warm-up and cool-down, with their point-to-point transfers"),
             ("recompute", t["recompute"], "the forward re-run in backward"),
             ("optimizer", t["optimizer"], "AdamW step at HBM bandwidth")]
-    lines = [f"step time of {e.layout.describe()}: {step:.2f} s, MFU {e.mfu:.1%}, {e.tokens_per_second:,.0f} tokens/s"]
+    lines = [f"predicted step time of {e.layout.describe()}: {step:.2f} s, MFU {e.mfu:.1%}, "
+             f"{e.tokens_per_second:,.0f} tokens/s"]
     lines += [f"  {name:<11} {sec:>7.2f} s {sec / step:>6.1%}  {why}" for name, sec, why in rows]
     return lines
+
+
+def strategy_arguments(layout: Layout) -> dict[str, object]:
+    """The ``HybridParallelStrategy`` arguments (a recipe's ``trainer.strategy.init_args``) that run ``layout``, and
+    the recipe's ``data.batch_size`` (sequences per dp rank and step) under ``"batch_size"``."""
+    args: dict[str, object] = {"tp": layout.tp, "cp": layout.cp, "pp": layout.pp, "dp": layout.dp, "ep": layout.ep,
+                               "data_parallel": layout.data_parallel if layout.dp > 1 else "fsdp",
+                               "sequence_parallel": layout.sequence_parallel,
+                               "activation_checkpointing": layout.recompute}
+    if layout.data_parallel == "hsdp":
+        args["dp_shard"] = layout.dp_shard
+    if layout.pp > 1:
+        args.update(pp_schedule=layout.schedule, virtual_stages=layout.virtual_stages, microbatches=layout.microbatches)
+    # without a pipeline a step is one batch per dp rank; more micro-batches are Lightning's gradient accumulation
+    per_rank = layout.micro_batch_size * (layout.microbatches if layout.pp > 1 else 1)
+    args["batch_size"] = per_rank
+    if layout.pp == 1 and layout.microbatches > 1:
+        args["accumulate_grad_batches"] = layout.microbatches
+    return args

@@ -15,6 +15,7 @@ from __future__ import annotations
 from typing import Iterator, Optional
 
 from lightning_hybrid.planner.cost import estimate
+from lightning_hybrid.planner.experts import ep_sizes
 from lightning_hybrid.planner.layout import (
     MICRO_BATCH_SIZES,
     PIPELINE_SCHEDULES,
@@ -38,9 +39,9 @@ __all__ = ["Layout", "Estimate", "Problem", "estimate", "search", "explain", "ca
 
 
 def candidates(problem: Problem, tp: int, pp: int,
-               modes: Optional[tuple[str, ...]] = None, cp: int = 1) -> Iterator[Layout]:
+               modes: Optional[tuple[str, ...]] = None, cp: int = 1, ep: int = 1) -> Iterator[Layout]:
     """Every micro-batch size of :data:`MICRO_BATCH_SIZES`, schedule of ``problem.schedules``, recompute and
-    sequence-parallel variant of one mesh (``modes``: only these data-parallel modes)."""
+    sequence-parallel variant of one mesh (``modes``: only these data-parallel modes; ``ep > 1``: FSDP only)."""
     dp = problem.hw.gpus // (tp * pp * cp)
     per_replica = problem.global_batch // dp
     modes_here = data_parallel_modes(dp, problem.hw.gpus_per_node, tp, cp)
@@ -49,7 +50,7 @@ def candidates(problem: Problem, tp: int, pp: int,
                       microbatches=tuple(per_replica // mbs for mbs in MICRO_BATCH_SIZES if per_replica % mbs == 0),
                       stages=tuple((s, v) for s, v in stages if not layout_reason(problem, tp, pp, dp, v)),
                       recompute=RECOMPUTE, sequence_parallel=(False, True) if tp > 1 else (False,))
-    return layouts(tp, pp, dp, per_replica, choices, cp)
+    return layouts(tp, pp, dp, per_replica, choices, cp, ep)
 
 
 def meshes(problem: Problem) -> list[tuple[int, int, str]]:
@@ -79,17 +80,18 @@ def search(problem: Problem) -> tuple[list[Estimate], list[Estimate]]:
         if reason:
             continue
         for layout in (c for cp in context_sizes(problem, tp) if problem.hw.gpus % (tp * pp * cp) == 0
-                       for c in candidates(problem, tp, pp, cp=cp)):
+                       for ep in ep_sizes(problem.config, problem.hw.gpus // (tp * pp * cp))
+                       for c in candidates(problem, tp, pp, cp=cp, ep=ep)):
             e = estimate(problem, layout)
-            key = (tp, pp, layout.cp, layout.data_parallel, layout.micro_batch_size, layout.schedule,
+            key = (tp, pp, layout.cp, layout.ep, layout.data_parallel, layout.micro_batch_size, layout.schedule,
                    layout.virtual_stages)
             if _better(e, best.get(key)):
                 best[key] = e
-            mesh_key = (tp, pp, layout.cp, layout.data_parallel)
+            mesh_key = (tp, pp, layout.cp, layout.ep, layout.data_parallel)
             if smallest.get(mesh_key) is None or e.memory["total"] < smallest[mesh_key].memory["total"]:
                 smallest[mesh_key] = e
     feasible = sorted((e for e in best.values() if e.fits), key=lambda e: (e.time["step"], e.memory["total"]))
-    fitting_meshes = {(e.layout.tp, e.layout.pp, e.layout.cp, e.layout.data_parallel) for e in feasible}
+    fitting_meshes = {(e.layout.tp, e.layout.pp, e.layout.cp, e.layout.ep, e.layout.data_parallel) for e in feasible}
     infeasible = sorted((e for k, e in smallest.items() if k not in fitting_meshes), key=lambda e: e.memory["total"])
     return feasible, infeasible
 

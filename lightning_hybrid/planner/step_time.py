@@ -50,9 +50,9 @@ from lightning_hybrid.hardware import GPU, NETWORK_LATENCY_S, NVLINK_LATENCY_S
 from lightning_hybrid.models.qwen2.config import Qwen2Config
 
 __all__ = ["Hardware", "Runtime", "TimeModel", "SELECTIVE_POLICIES", "collective_seconds", "gemm_efficiency",
-           "block_gemms", "elementwise_bytes", "GEMM_PEAK_EFFICIENCY", "GEMM_KNEE", "TP_OVERLAP_EXPOSED",
-           "ATTENTION_EFFICIENCY", "HBM_EFFICIENCY", "ELEMENTWISE_BACKWARD", "FLOAT8_GEMM_EFFICIENCY",
-           "FLOAT8_CAST_BYTES", "float8_cast_elements"]
+           "block_gemms", "elementwise_bytes", "GEMM_PEAK_EFFICIENCY", "GEMM_KNEE",
+           "TP_OVERLAP_EXPOSED", "ATTENTION_EFFICIENCY", "HBM_EFFICIENCY", "ELEMENTWISE_BACKWARD",
+           "FLOAT8_GEMM_EFFICIENCY", "FLOAT8_CAST_BYTES", "float8_cast_elements"]
 
 # ----------------------------------------------------------------------------- constants
 # Fitted on the published runs of benchmarks/planner_published.py (least squares on log MFU; the leave-one-out
@@ -245,7 +245,7 @@ def float8_cast_elements(shapes: dict[str, tuple[int, int]], tokens: int, tp: in
 
 
 def elementwise_bytes(config: Qwen2Config, tp: int, sequence_parallel: bool, compute: int, residual: int,
-                      runtime: Runtime) -> float:
+                      runtime: Runtime, mlp: bool = True) -> float:
     """Bytes the elementwise ops of one block move per token in forward, on one TP rank.
 
     Eager (this project's model, op by op, reads + writes): each RMSNorm in fp32 (square, mean, scale, weight:
@@ -257,13 +257,15 @@ def elementwise_bytes(config: Qwen2Config, tp: int, sequence_parallel: bool, com
     dtype; with fused projections autocast casts 2 linear inputs (qkv, gate_up), not 5. Fused kernels: each region
     reads its inputs and writes its outputs once: residual add + norm ``2 (r + a) h`` twice, rotary ``2 a (q + kv)``
     (with the q/k norms inside the same region) and the GQA repeat, SiLU-product ``3 a I``. ``h`` terms are divided
-    by ``tp`` under sequence parallel.
+    by ``tp`` under sequence parallel. ``mlp=False``: a mixture of experts' sparse block, whose SiLU-products are the
+    expert path's (:func:`~lightning_hybrid.planner.experts.expert_elementwise_bytes`; the router's input is cast in
+    place of gate/up's).
     """
     a, r = compute, residual
     h = config.hidden_size / (tp if sequence_parallel and tp > 1 else 1)
     q = config.num_attention_heads * config.head_dim / tp
     kv = config.num_key_value_heads * config.head_dim / tp
-    inter = config.intermediate_size / tp
+    inter = config.intermediate_size / tp if mlp else 0.0
     gqa = 2 * a * (q + kv) if config.num_attention_heads > config.num_key_value_heads else 0.0
     if runtime.fused_elementwise:
         return 4 * (r + a) * h + 2 * a * (q + kv) + gqa + 3 * a * inter
@@ -357,11 +359,13 @@ class Hardware:
 def collective_seconds(kind: str, nbytes: float, ranks: int, bus_bandwidth: float, latency: float) -> float:
     """Time of one collective over ``ranks`` with nccl-tests' bus-bandwidth factors.
 
-    ``nbytes`` is the buffer nccl-tests calls the size: the all-reduce buffer, the all-gather output or
-    the reduce-scatter input. ``p2p`` moves ``nbytes`` one way.
+    ``nbytes`` is the buffer nccl-tests calls the size: the all-reduce buffer, the all-gather output,
+    the reduce-scatter input, one rank's all-to-all send buffer. ``p2p`` moves ``nbytes`` one way.
     """
     if ranks <= 1 or nbytes <= 0:
         return 0.0
+    # all_to_all: ``nbytes`` is one rank's send buffer, of which (n - 1) / n leave it (nccl-tests' alltoall busbw)
     factor = {"all_reduce": 2 * (ranks - 1) / ranks, "all_gather": (ranks - 1) / ranks,
-              "reduce_scatter": (ranks - 1) / ranks, "p2p": 1.0}[kind]
+              "reduce_scatter": (ranks - 1) / ranks, "all_to_all": (ranks - 1) / ranks, "p2p": 1.0}[kind]
     return latency + nbytes * factor / bus_bandwidth
+

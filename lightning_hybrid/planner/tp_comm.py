@@ -59,6 +59,9 @@ def tp_block_seconds(problem: Problem, layout: Layout, nbytes: float, all_reduce
     gathers_fuse = problem.runtime.float8 in (None, "tensorwise")
     exposed = 0.0
     for i, group in enumerate(TP_GEMM_GROUPS["qkv" in gemms]):
+        if any(name not in gemms for name in group):  # a sparse block's experts: one all-gather each way, unfused
+            exposed += half
+            continue
         alone = float8_gather if i % 2 == 0 else half  # the forward all-gather of groups 0 and 2, or a reduce-scatter
         hidden = max(alone - sum(gemms[name] for name in group) / 3, floor * alone)
         gather = hidden if gathers_fuse else alone
