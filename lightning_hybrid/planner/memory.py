@@ -400,8 +400,8 @@ def _sparse_block(config: Qwen2Config, prec: Precision, tp: int, sp: bool, mode:
     the router alone, and the expert path (:func:`~lightning_hybrid.planner.experts.expert_saved_bytes`, whole on
     every tp rank) in place of the SwiGLU's."""
     h, a, inter = config.hidden_size, prec.compute, config.intermediate_size
-    dense_mlp = _norm_saved(h, prec, tp, sp, 2) + 4 * a * inter / tp
-    experts = _norm_saved(h, prec, tp, sp, 1) + expert_saved_bytes(config, "none", a, residual, ep)
+    dense_mlp = _norm_saved(h, prec, tp, sp, 2, residual) + 4 * a * inter / tp
+    experts = _norm_saved(h, prec, tp, sp, 1, residual) + expert_saved_bytes(config, "none", a, residual, ep)
     sparse_full = full - dense_mlp + experts
     if mode == "none":
         saved = sparse_full
