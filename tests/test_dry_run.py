@@ -196,7 +196,8 @@ def test_a_moe_recipe_dry_runs_its_expert_parallel_ranks_and_the_planner_predict
     from lightning_hybrid.models.qwen2.config import Qwen2Config
     from lightning_hybrid.planner.experts import all_to_all_leaving
 
-    result = _dry_run(["--config", str(ROOT / "recipes" / "tiny-moe-cpu.yaml"), "--ranks", "all", "--json"], timeout=240)
+    result = _dry_run(["--config", str(ROOT / "recipes" / "tiny-moe-cpu.yaml"), "--ranks", "all", "--json"],
+                      timeout=240)
     assert result.returncode == 0, result.stderr[-3000:]
     report = json.loads(result.stdout[result.stdout.index("{"):])
     [role] = report["roles"]  # the ep ranks hold other experts of the same shapes: one role for the 4 ranks

@@ -137,3 +137,19 @@ def test_the_last_stage_holds_the_loss_on_its_vocabulary_shard_and_the_logits_th
     in_flight = rank_memory_breakdown(p, layout, 1)["activations"]  # the runner's step(return_outputs=False)
     assert kept - in_flight == pytest.approx(15 * 32768 * shard.logits)  # 16 kept, 1 in flight
     assert rank_memory_breakdown(p, layout, 0) == rank_memory_breakdown(keeping, layout, 0)  # no logits on stage 0
+
+
+def test_full_recompute_keeps_each_block_input_in_the_dtype_of_the_weights_the_forward_runs_on():
+    # FSDP2 gathers in bf16 under bf16-mixed: the embedding looks up bf16 rows and FSDP2 casts each block's inputs to
+    # bf16, so the stream is bf16 (the dry run of the 72B SFT recipe's stage 0: 80 block inputs of 4,096 x 8,192 bf16
+    # held, 5.37 GB, where 4-byte inputs planned 10.74 GB). Autocast on fp32 weights (replicate, no bf16 compute
+    # weights) keeps an fp32 stream.
+    from lightning_hybrid.planner.layout_memory import layout_shape, residual_stream_bytes
+
+    p = problem(seq=32768, batch=128, loss_parallel=True)
+    layout = Layout(8, 2, 8, "fsdp", 1, 16, "1f1b", recompute="full", sequence_parallel=True)
+    assert residual_stream_bytes(p, fsdp=True) == 2
+    assert layout_shape(p, layout).activations.layer == 2 * QWEN72.hidden_size / 8
+    assert rank_memory_breakdown(p, layout, 0)["activations"] == 2 * (40 * 2 * 1024 + 8) * 32768  # 2 in flight
+    bf16_weights = replace(p, runtime=replace(p.runtime, low_precision_params=True))
+    assert residual_stream_bytes(p, fsdp=False) == 4 and residual_stream_bytes(bf16_weights, fsdp=False) == 2

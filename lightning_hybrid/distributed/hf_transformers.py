@@ -136,14 +136,14 @@ def check_held_models(module: nn.Module, options: ParallelOptions, dims: Optiona
             recompute asked of a module that holds no Hugging Face model.
     """
     found = held_models(module)
-    if dims is None:
-        return found
-    for name, model in found:
-        _check_one(name, model, options, dims)
     if final and not found and options.activation_checkpointing != "none":
         raise ValueError(f"activation_checkpointing={options.activation_checkpointing!r} needs a LightningModule that "
                          f"declares its blocks (parallel_spec()) or holds a Hugging Face transformers model; "
                          f"{type(module).__name__} parallelizes itself: apply it in its own configure_model")
+    if dims is None:
+        return found
+    for name, model in found:
+        _check_one(name, model, options, dims)
     return found
 
 
@@ -216,8 +216,10 @@ def parallelize_held(host: "StrategyHost", precision: str, log: Optional[Callabl
     Raises:
         ValueError: see :func:`check_held_models` (``final=True``).
     """
-    module, options, dims = host.lightning_module, host.options, host.dims
-    found = check_held_models(module, options, dims, final=True)
+    module, options = host.lightning_module, host.options
+    # the sizes only where there is a held model to parallelize (a module that parallelizes itself needs none here)
+    found = check_held_models(module, options, host.dims if held_models(module) else None, final=True)
+    dims = host.dims if found else None
     for name, model in found:
         label = _label(name, model)  # before FSDP2 renames its class
         _broadcast_weights(model)

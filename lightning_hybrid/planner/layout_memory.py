@@ -30,7 +30,7 @@ from lightning_hybrid.planner.memory import (
 )
 
 __all__ = ["LayoutShape", "layout_shape", "rank_memory_breakdown", "rank_memory_shape_breakdown", "activation_bytes",
-           "block_numel", "FSDP_BLOCKS_IN_FLIGHT", "LOW_PRECISION_BYTES"]
+           "block_numel", "residual_stream_bytes", "FSDP_BLOCKS_IN_FLIGHT", "LOW_PRECISION_BYTES"]
 
 FSDP_BLOCKS_IN_FLIGHT = 2  # without a pipeline, the running block and the prefetched one are gathered
 # Low-precision (bf16) bytes of weights and activations when Runtime.low_precision_params is set.
@@ -89,17 +89,32 @@ class LayoutShape:
 
 def layout_shape(problem: Problem, layout: Layout) -> LayoutShape:
     num_stages = layout.pp * layout.virtual_stages
+    fsdp = layout.data_parallel != "replicate" and layout.data_ranks > 1
     activations = activation_model(problem.config, layout.tp, layout.sequence_parallel, layout.recompute,
                                    problem.precision, problem.seq_len, problem.runtime.loss_parallel, layout.ep,
-                                   activation_bytes(problem)[1])
+                                   residual_bytes=residual_stream_bytes(problem, fsdp))
     stage_blocks = split_blocks(problem.config, num_stages)
     # a rank holds seq_len / cp tokens of each sequence: activations and per-token work divide by cp
     return LayoutShape(tokens=layout.micro_batch_size * problem.seq_len // layout.cp, activations=activations,
                         rank_stages=rank_stages(layout.pp, layout.virtual_stages),
-                        stage_blocks=stage_blocks, last_stage=num_stages - 1,
-                        fsdp=layout.data_parallel != "replicate" and layout.data_ranks > 1,
+                        stage_blocks=stage_blocks, last_stage=num_stages - 1, fsdp=fsdp,
                         precision=PRECISIONS[problem.precision], gathered_kv=_gathered_kv_bytes(problem, layout),
                         stage_sparse=_stage_sparse(problem.config, stage_blocks))
+
+
+def residual_stream_bytes(problem: Problem, fsdp: bool) -> int:
+    """Bytes per element of the residual stream (the blocks' inputs that recompute keeps, the norms' dtype).
+
+    The stream takes the dtype of the weights the forward runs on: FSDP2 gathers them in its ``param_dtype`` (bf16
+    under ``bf16-mixed``, :attr:`Precision.gather`), so the embedding looks up bf16 rows, and FSDP2 casts each unit's
+    floating inputs to that dtype too (``MixedPrecisionPolicy.cast_forward_inputs``); bf16 compute weights
+    (``low_precision_params``) do the same without FSDP. Only autocast on fp32 weights keeps an fp32 stream. (The 72B
+    SFT recipe's stage 0, full recompute at 32,768 tokens: its 40 block inputs per micro-batch trace 2.7 GB, bf16.)
+    """
+    prec = PRECISIONS[problem.precision]
+    if fsdp:
+        return min(prec.residual, prec.gather)
+    return activation_bytes(problem)[1]
 
 
 def _gathered_kv_bytes(problem: Problem, layout: Layout) -> float:

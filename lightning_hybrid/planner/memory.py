@@ -319,22 +319,23 @@ class ActivationModel:
     sparse_working: float = 0.0
 
 
-def _norm_saved(h: float, prec: Precision, tp: int, sp: bool, consumers: int) -> float:
+def _norm_saved(h: float, prec: Precision, tp: int, sp: bool, consumers: int, residual: int) -> float:
     """RMSNorm and the inputs its consumers save.
 
     The norm saves its fp32 input (4h), the normalized value in the model dtype and the fp32 rsqrt. A
     linear after it saves its input: the norm output itself when the dtypes agree (one tensor shared by
     all consumers), else one autocast copy per consumer (q, k, v: 3; gate, up: 2; head: 1). Under sequence
-    parallel the norm works on a shard and the consumers save the all-gathered full sequence.
+    parallel the norm works on a shard and the consumers save the all-gathered full sequence. ``residual``: bytes per
+    element of the residual stream (the norm's input and output dtype).
     """
-    own = (4 + prec.residual) * h + 4
-    consumer = prec.residual * h if prec.compute == prec.residual else consumers * prec.compute * h
+    own = (4 + residual) * h + 4
+    consumer = residual * h if prec.compute == residual else consumers * prec.compute * h
     return (own / tp if sp else own) + consumer
 
 
 def activation_model(config: Qwen2Config, tp: int = 1, sequence_parallel: bool = False, recompute: str = "none",
                      precision: str = "bf16-mixed", seq_len: int = 4096, loss_parallel: bool = False, ep: int = 1,
-                     expert_residual: Optional[int] = None) -> ActivationModel:
+                     residual_bytes: Optional[int] = None) -> ActivationModel:
     """Saved-for-backward bytes per token for this Qwen2 implementation (see the module docstring).
 
     ``recompute``: ``"none"``; ``"selective"`` keeps the block input and the outputs of the matmuls and of
@@ -342,10 +343,14 @@ def activation_model(config: Qwen2Config, tp: int = 1, sequence_parallel: bool =
     FLOPs); ``"full"`` keeps only each block's input and recomputes the block in backward. ``loss_parallel``: the
     head's logits stay vocabulary shards (``vocab / tp`` per rank) through the loss; else (and at ``tp == 1``) every
     TP rank holds the full vocabulary. A mixture of experts' sparse blocks (``sparse_layer``, ``sparse_working``)
-    under ``ep`` (:mod:`~lightning_hybrid.planner.experts`); ``expert_residual``: bytes of the residual stream its
-    expert path sees (bf16 with bf16 compute weights; default the precision's).
+    under ``ep`` (:mod:`~lightning_hybrid.planner.experts`). ``residual_bytes``: bytes per element of the residual
+    stream (the blocks' inputs, the norms' dtype, what the expert path sees); ``None`` takes the precision's (fp32
+    under ``bf16-mixed``: autocast on fp32 weights). When the forward runs on bf16 weights (FSDP2 gathering in bf16,
+    bf16 compute weights) the stream is bf16: the embedding looks up bf16 rows and FSDP2 casts each unit's inputs to
+    its ``param_dtype``.
     """
     c, prec = config, PRECISIONS[_choice("precision", precision, tuple(PRECISIONS))]
+    r = prec.residual if residual_bytes is None else residual_bytes
     mode = _choice("recompute", recompute, RECOMPUTE)
     sp = sequence_parallel and tp > 1
     h, d, a = c.hidden_size, c.head_dim, prec.compute
@@ -361,8 +366,8 @@ def activation_model(config: Qwen2Config, tp: int = 1, sequence_parallel: bool =
     # Qwen3's per-head q/k norms: the fp32 input, the fp32 rsqrt per head and the normalized value in the compute
     # dtype (the weight's multiply saves it) for q and for k; the rotary products after them save only cos and sin.
     qk_norm = ((4 + a) * (q + kv) + 4 * (c.num_attention_heads + c.num_key_value_heads)) / tp if c.qk_norm else 0.0
-    full = _norm_saved(h, prec, tp, sp, 3) + _norm_saved(h, prec, tp, sp, 2) + attention + mlp + qk_norm
-    block_input = prec.residual * h / (tp if sp else 1)
+    full = _norm_saved(h, prec, tp, sp, 3, r) + _norm_saved(h, prec, tp, sp, 2, r) + attention + mlp + qk_norm
+    block_input = r * h / (tp if sp else 1)
     if mode == "none":
         layer = full
     elif mode == "selective":
@@ -378,11 +383,11 @@ def activation_model(config: Qwen2Config, tp: int = 1, sequence_parallel: bool =
     else:
         layer = block_input
     vocab = -(-c.vocab_size // tp) if loss_parallel else c.vocab_size  # logits per token on this rank
-    head = _norm_saved(h, prec, tp, sp, 1) + 4 * vocab  # final norm + lm_head input + fp32 log-softmax output
+    head = _norm_saved(h, prec, tp, sp, 1, r) + 4 * vocab  # final norm + lm_head input + fp32 log-softmax output
     # the loss's backward, as the dry run of the 72B SFT recipe's last stage traces it (docs/dry-run.md): the NLL's and
     # the log-softmax's fp32 gradients; under loss parallel torch's fused backward holds three fp32 shards at once
     loss_working = (12 if loss_parallel and tp > 1 else 8) * vocab
-    sparse = _sparse_block(c, prec, tp, sp, mode, full, layer, ep, expert_residual or prec.residual) \
+    sparse = _sparse_block(c, prec, tp, sp, mode, full, layer, ep, r) \
         if is_moe(c) else (0.0, 0.0)
     return ActivationModel(layer=layer, embedding=8.0, head=head,
                            layer_working=full + (full if mode != "none" else 0.0), loss_working=loss_working,
@@ -395,8 +400,8 @@ def _sparse_block(config: Qwen2Config, prec: Precision, tp: int, sp: bool, mode:
     the router alone, and the expert path (:func:`~lightning_hybrid.planner.experts.expert_saved_bytes`, whole on
     every tp rank) in place of the SwiGLU's."""
     h, a, inter = config.hidden_size, prec.compute, config.intermediate_size
-    dense_mlp = _norm_saved(h, prec, tp, sp, 2) + 4 * a * inter / tp
-    experts = _norm_saved(h, prec, tp, sp, 1) + expert_saved_bytes(config, "none", a, residual, ep)
+    dense_mlp = _norm_saved(h, prec, tp, sp, 2, residual) + 4 * a * inter / tp
+    experts = _norm_saved(h, prec, tp, sp, 1, residual) + expert_saved_bytes(config, "none", a, residual, ep)
     sparse_full = full - dense_mlp + experts
     if mode == "none":
         saved = sparse_full
