@@ -23,6 +23,9 @@
 #              losses within 3%, the step-time ratio printed (not run on hardware yet)
 #   mxfp8      the same with float8="mxfp8" (torchao's MX training), on a GPU of compute capability 10.0 or more
 #              (Blackwell); below it the step is "skipped" in seconds (not run on hardware yet)
+#   fused      benchmarks/fused_projections.py --gemm --device cuda: q/k/v and gate/up of Qwen2.5-72B at tp=8 per rank
+#              (bf16, 4,096 tokens) as one GEMM each against separate GEMMs, forward and backward, and the share of
+#              the weights' concatenation (not run on hardware yet)
 #   eval       `lightning-hybrid eval` on the ckpt step's step-000030 with NCCL: three local harness tasks
 #              (tests/helpers/eval_tasks.py: multiple choice, rolling perplexity, greedy generation), the harness's
 #              results and samples under OUT/eval (needs the ckpt step first and the [eval] extra; not run on hardware yet)
@@ -33,7 +36,7 @@
 set -uo pipefail
 
 SKIPPED=77  # exit code of a step that does not apply to this GPU (mxfp8 below compute capability 10.0)
-STEPS_ALL="mfu tiny-nccl preflight ckpt gpu-health docmask async-tp float8 mxfp8 eval"
+STEPS_ALL="mfu tiny-nccl preflight ckpt gpu-health docmask async-tp float8 mxfp8 fused eval"
 OUT=gpu-smoke
 GPU=h200
 ONLY=""
@@ -96,6 +99,7 @@ $(command -v $LH || echo $LH) fit --config $TINY ${ON_GPU[*]} ${MONITOR[*]} --tr
         mxfp8) printf '%s\n' bash -c "python -c 'import sys, torch; \
 sys.exit(0 if torch.cuda.get_device_capability() >= (10, 0) else $SKIPPED)' && python \
 $HERE/benchmarks/float8_smoke.py --preset qwen2.5-1.5b --float8 mxfp8 --steps 50" ;;
+        fused) printf '%s\n' python "$HERE/benchmarks/fused_projections.py" --gemm --device cuda ;;
         eval) printf '%s\n' bash -c "set -e; python -c 'import sys; from pathlib import Path; \
 sys.path.insert(0, \"$HERE/tests\"); from helpers.eval_tasks import write_tasks, write_tokenizer; \
 write_tasks(Path(\"$OUT/eval/tasks\")); write_tokenizer(Path(\"$OUT/eval/tokenizer\"))'; \
@@ -105,8 +109,8 @@ torchrun --nproc_per_node 1 $(command -v $LH || echo $LH) eval --config $TINY ${
     esac
 }
 LIMITS="mfu=180 tiny-nccl=90 preflight=120 ckpt=150 gpu-health=90 docmask=90 async-tp=300 float8=240 mxfp8=240
-eval=120"
-# seconds: 1620 s in all, 1380 s where mxfp8 is skipped (below compute capability 10.0)
+fused=60 eval=120"
+# seconds: 1680 s in all, 1440 s where mxfp8 is skipped (below compute capability 10.0)
 
 if [ "$PRINT" = 1 ]; then
     for step in $STEPS; do
@@ -144,6 +148,8 @@ for step in $STEPS; do
         docmask) FIGURE[$step]=$(grep -E '^\| cuda' "$OUT/$step.log" | tail -1) ;;
         async-tp) FIGURE[$step]=$(grep -E '^async_tp (step time|loss agreement)' "$OUT/$step.log" | tr '\n' ' ') ;;
         float8|mxfp8) FIGURE[$step]=$(grep -E '^loss relative difference' "$OUT/$step.log") ;;
+        fused) FIGURE[$step]=$(grep -E '^\| (q/k/v|gate/up) ' "$OUT/$step.log" | awk -F'|' '{print $2 "fused/separate" $7}' \
+                   | tr -s ' ' | tr '\n' ' ') ;;
         eval) FIGURE[$step]=$(grep -E '^\|tiny_mc' "$OUT/$step.log" | tr -s ' ' | head -1) ;;
     esac
 done
