@@ -16,9 +16,11 @@ consecutive optimizer steps on rank 0 (``--steps`` after ``--warmup``), and the 
 **Dry run** (``--dry-run``): rank 0 of ``recipes/qwen2.5-72b-sft.yaml`` traced as ``lightning-hybrid dry-run --ranks 0``
 traces it (fake process group, fake tensors, 3 micro-batches of 32,768 tokens with packed documents), each variant
 in a fresh process, one after the other; the CPU seconds (user + system) of the trace itself (``run_rank``), not of
-starting Python. Variants: this code; this code with the rotary tables per layer and/or the projections unfused; and
-with ``--before PATH``, the code of a checkout from before the change (for example
-``git archive bf4997d | tar -x -C /tmp/before``) run the same way.
+starting Python, and the CPU seconds inside ``rotary_at`` (the tables). Variants: this code; this code with the
+rotary tables per layer, or the projections unfused; and with ``--before PATH``, the code of a checkout from before
+the change (for example ``git archive bf4997d | tar -x -C /tmp/before``) run the same way. Each variant is traced
+``--repeats`` times, the variants interleaved, and the median is reported (a shared machine's load moves a single
+trace by 10-20%).
 
 **GEMMs** (``--gemm``, one process): at the per-rank rows of Qwen2.5-72B at tp=8 (q/k/v 1,024 + 128 + 128, gate/up
 3,696 + 3,696), the median seconds of ``torch.cat`` of the parts' weights, of the fused projection forward and
@@ -151,6 +153,7 @@ import json, sys, time
 from lightning_hybrid.dryrun.rank import run_rank
 from lightning_hybrid.dryrun.recipe import load_job
 from lightning_hybrid.dryrun.cli import traced_microbatches, _check
+from lightning_hybrid.models.decoder import model as decoder_model, rope
 variant = json.loads(sys.argv[2])
 if variant.get("fused") is False or variant.get("rotary_once") is False:
     from lightning_hybrid.models import causal_lm
@@ -165,13 +168,23 @@ if variant.get("fused") is False or variant.get("rotary_once") is False:
                 block.self_attn.qkv = None
                 block.mlp.gate_up = None
     causal_lm.CausalLM.configure_model = configure_model
+rotary = {"calls": 0, "cpu_s": 0.0}
+def counted(*args, _inner=rope.rotary_at, **kwargs):
+    start = time.process_time()
+    try:
+        return _inner(*args, **kwargs)
+    finally:
+        rotary["calls"] += 1
+        rotary["cpu_s"] += time.process_time() - start
+rope.rotary_at = decoder_model.rotary_at = counted
 job = load_job(sys.argv[1])
 options, dims, _, _ = _check(job)
 job = job.with_microbatches(traced_microbatches(options, dims))
 cpu = time.process_time()
 result = run_rank(job, 0)
 print(json.dumps({"cpu_s": time.process_time() - cpu, "total_peak": result.total_peak,
-                  "activation_peak": result.activation_peak}))
+                  "activation_peak": result.activation_peak, "rotary_calls": rotary["calls"],
+                  "rotary_cpu_s": rotary["cpu_s"]}))
 """
 
 
@@ -185,21 +198,29 @@ def trace_rank0(tree: Path, variant: dict) -> dict:
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
-def dry_run_table(before: Path | None) -> str:
+def dry_run_table(before: Path | None, repeats: int) -> str:
+    """The variants traced ``repeats`` times each, interleaved (variant 1..n, then again), medians of CPU seconds."""
     runs = [("after: fused projections, rotary tables once", ROOT, {}),
             ("after, rotary tables per layer", ROOT, {"rotary_once": False}),
-            ("after, projections unfused", ROOT, {"fused": False}),
-            ("after, both off (the code paths of before)", ROOT, {"fused": False, "rotary_once": False})]
+            ("after, projections unfused", ROOT, {"fused": False})]
     if before is not None:
         runs.insert(0, (f"before ({before})", before, {}))
-    results = [(label, trace_rank0(tree, variant)) for label, tree, variant in runs]
-    base = results[0][1]["cpu_s"]
-    lines = [f"Rank 0 of {SFT.name} (dry run, 3 micro-batches traced): CPU seconds of the trace",
-             "", "| code | CPU s | / first row | traced total peak (GB) | activation peak (GB) |",
-             "| --- | --- | --- | --- | --- |"]
-    for label, r in results:
-        lines.append(f"| {label} | {r['cpu_s']:.1f} | {r['cpu_s'] / base:.3f} | {r['total_peak'] / 1e9:.2f} | "
-                     f"{r['activation_peak'] / 1e9:.2f} |")
+    results: dict[str, list[dict]] = {label: [] for label, _, _ in runs}
+    for _ in range(repeats):
+        for label, tree, variant in runs:
+            results[label].append(trace_rank0(tree, variant))
+    base = statistics.median(r["cpu_s"] for r in results[runs[0][0]])
+    lines = [f"Rank 0 of {SFT.name} (dry run, 3 micro-batches traced): CPU seconds of the trace, median of "
+             f"{repeats} (each run)", "",
+             "| code | CPU s | / first row | CPU s of each run | in rotary_at: calls, CPU s | traced total peak (GB) "
+             "| activation peak (GB) |", "| --- | --- | --- | --- | --- | --- | --- |"]
+    for label, rs in results.items():
+        cpu = statistics.median(r["cpu_s"] for r in rs)
+        rot = statistics.median(r["rotary_cpu_s"] for r in rs)
+        each = ", ".join(f"{r['cpu_s']:.1f}" for r in rs)
+        lines.append(f"| {label} | {cpu:.1f} | {cpu / base:.3f} | {each} | "
+                     f"{rs[0]['rotary_calls']}, {rot:.2f} | {rs[0]['total_peak'] / 1e9:.2f} | "
+                     f"{rs[0]['activation_peak'] / 1e9:.2f} |")
     return "\n".join(lines)
 
 
@@ -253,6 +274,7 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=2, help="runs of each side of a pair, alternating the order")
     parser.add_argument("--dry-run", action="store_true", help="the dry run's CPU time of rank 0 instead")
     parser.add_argument("--before", type=Path, default=None, help="a checkout of the code before, for --dry-run")
+    parser.add_argument("--repeats", type=int, default=3, help="traces of each variant for --dry-run, interleaved")
     parser.add_argument("--gemm", action="store_true",
                         help="the fused projection's GEMMs and weight copy against separate GEMMs (72B tp=8 rows)")
     parser.add_argument("--device", default="cpu", help="for --gemm: cpu or cuda")
@@ -265,7 +287,7 @@ def main() -> None:
         print(gemm_table(args.device, args.width or (8192 if cuda else 1024), args.tokens or (4096 if cuda else 512)))
         return
     if args.dry_run:
-        print(dry_run_table(args.before))
+        print(dry_run_table(args.before, args.repeats))
         return
     if args.worker_out:
         return worker(Path(args.worker_out), args.steps, args.warmup, args.rounds)
