@@ -43,7 +43,6 @@ import os
 import statistics
 import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -52,7 +51,7 @@ ROOT = Path(__file__).resolve().parents[1]
 SFT = ROOT / "recipes" / "qwen2.5-72b-sft.yaml"
 MODELS = {
     "tiny": ("tiny", 128, 8),
-    "width 256": (dict(vocab_size=1024, hidden_size=256, intermediate_size=704, num_hidden_layers=4,
+    "width256": (dict(vocab_size=1024, hidden_size=256, intermediate_size=704, num_hidden_layers=4,
                        num_attention_heads=8, num_key_value_heads=2, max_position_embeddings=1024,
                        name="width-256"), 256, 4),
 }
@@ -118,10 +117,10 @@ def _step_times(variant: dict, model: str, sequence_parallel: bool, documents: b
     return [b - a for a, b in zip(ends[warmup:], ends[warmup + 1:])]
 
 
-def worker(out: Path, steps: int, warmup: int, rounds: int) -> None:
+def worker(out: Path, steps: int, warmup: int, rounds: int, models: list[str]) -> None:
     """One torchrun process: every model, layout and pair, alternating; rank 0 writes the medians as JSON."""
     rows = []
-    for model in MODELS:
+    for model in models:
         for sequence_parallel in (False, True):
             for pair, (on, off, documents) in PAIRS.items():
                 times: dict[str, list[float]] = {"on": [], "off": []}
@@ -272,6 +271,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=6, help="timed optimizer steps per run")
     parser.add_argument("--warmup", type=int, default=2, help="untimed steps first")
     parser.add_argument("--rounds", type=int, default=2, help="runs of each side of a pair, alternating the order")
+    parser.add_argument("--models", default=",".join(MODELS), help=f"some of: {', '.join(MODELS)}")
     parser.add_argument("--dry-run", action="store_true", help="the dry run's CPU time of rank 0 instead")
     parser.add_argument("--before", type=Path, default=None, help="a checkout of the code before, for --dry-run")
     parser.add_argument("--repeats", type=int, default=3, help="traces of each variant for --dry-run, interleaved")
@@ -290,18 +290,11 @@ def main() -> None:
         print(dry_run_table(args.before, args.repeats))
         return
     if args.worker_out:
-        return worker(Path(args.worker_out), args.steps, args.warmup, args.rounds)
-    from lightning_hybrid.launch.torchrun import launcher_command
+        return worker(Path(args.worker_out), args.steps, args.warmup, args.rounds, args.models.split(","))
+    from runtime import run_workers  # benchmarks/runtime.py, beside this script
 
-    with tempfile.TemporaryDirectory() as tmp:
-        out = Path(tmp) / "steps.json"
-        env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": f"{ROOT}:{os.environ.get('PYTHONPATH', '')}"}
-        cmd = [*launcher_command(4), __file__, "--steps", str(args.steps), "--warmup", str(args.warmup),
-               "--rounds", str(args.rounds), "--worker-out", str(out)]
-        done = subprocess.run(cmd, env=env, capture_output=True, text=True)
-        if done.returncode != 0:
-            sys.exit(f"benchmark workers failed ({done.returncode}):\n{done.stderr[-6000:]}")
-        print(step_table(json.loads(out.read_text())))
+    print(step_table(run_workers(__file__, ["--steps", str(args.steps), "--warmup", str(args.warmup),
+                                            "--rounds", str(args.rounds), "--models", args.models])))
 
 
 if __name__ == "__main__":
