@@ -194,6 +194,27 @@ def test_float8_runs_one_gemm_per_fused_group(recipe, monkeypatch):
     assert (between == 0.0) if recipe == "rowwise" else (between < 0.05), between
 
 
+def test_under_mxfp8_a_biased_linear_is_converted_only_inside_a_group_that_runs_fused():
+    """torchao's MXFP8 linear drops ``F.linear``'s bias: the q/k/v biases are only safe inside the fused GEMM, which
+    adds them. A group with a part that cannot be converted runs unfused, so its biased parts stay bf16 too."""
+    pytest.importorskip("torchao")
+    from lightning_hybrid.distributed.float8 import float8_skipped
+
+    with torch.device("meta"):
+        wide = Decoder(config(hidden_size=128, num_attention_heads=8, num_key_value_heads=2, intermediate_size=128))
+        unfused = Decoder(config(hidden_size=128, num_attention_heads=8, num_key_value_heads=2,
+                                 intermediate_size=128), fused_projections=False)
+    spec = wide.parallel_spec()
+    assert float8_skipped(wide, spec, "mxfp8", tp=1) == {}
+    biased = {f"layers.{i}.self_attn.{p}_proj" for i in range(2) for p in "qkv"}
+    assert set(float8_skipped(unfused, spec, "mxfp8", tp=1)) == biased
+    at_tp2 = float8_skipped(wide, spec, "mxfp8", tp=2)  # k and v: 32 rows / 2 per rank, not a multiple of 32
+    assert set(at_tp2) == biased
+    assert at_tp2["layers.0.self_attn.q_proj"].startswith("a bias")
+    assert "per rank" in at_tp2["layers.0.self_attn.k_proj"]
+    assert float8_skipped(unfused, spec, "rowwise", tp=1) == {}  # the float8 recipes add the bias themselves
+
+
 def test_a_checkpoint_of_the_code_before_exports_to_transformers_with_its_logits(tmp_path):
     """The pre-fusion checkpoint (Hugging Face's q/k/v and gate/up names) goes through ``export-hf``; transformers
     loads the export and gives the logits the old code gave (the export writes fp32 here)."""

@@ -79,24 +79,27 @@ def check_float8_device(float8: Optional[str], device: torch.device) -> None:
 
 def float8_skipped(module: nn.Module, spec: ParallelSpec, recipe: str, tp: int) -> dict[str, str]:
     """Block linears of ``module`` that ``recipe`` cannot take: name -> why (a dimension of the tensor-parallel shard
-    that is not a multiple of 16, or 32 for MXFP8; under MXFP8 a bias outside a fused projection: torchao's MXFP8
-    linear leaves ``F.linear``'s bias out, while :class:`Float8FusedLinear` adds it)."""
+    that is not a multiple of 16, or 32 for MXFP8; under MXFP8 a bias outside a fused projection that runs fused:
+    torchao's MXFP8 linear leaves ``F.linear``'s bias out, while :class:`Float8FusedLinear` adds it)."""
     divisor = _DIVISOR[recipe]
     skipped = {}
-    blocks = getattr(module, spec.blocks, None) or {}
-    for index, block in blocks.items():
-        fused = {part for name, parts in spec.fused_projections.items() if _held(block, name) for part in parts}
+    for index, block in (getattr(module, spec.blocks, None) or {}).items():
+        shape = {}
         for name, style in spec.block_plan.items():
             linear = block.get_submodule(name)
-            if recipe == "mxfp8" and linear.bias is not None and name not in fused:
-                skipped[f"{spec.blocks}.{index}.{name}"] = "a bias (torchao's MXFP8 linear would drop it)"
-                continue
             # The sharded dimension is divided over tp: colwise splits the output, rowwise the input.
             out_f = linear.out_features // (tp if style == "colwise" else 1)
             in_f = linear.in_features // (tp if style == "rowwise" else 1)
             if out_f % divisor or in_f % divisor or (linear.out_features % tp) or (linear.in_features % tp):
-                skipped[f"{spec.blocks}.{index}.{name}"] = (f"{in_f}x{out_f} per rank is not a multiple of "
-                                                            f"{divisor}")
+                shape[name] = f"{in_f}x{out_f} per rank is not a multiple of {divisor}"
+        # a fused group runs fused under float8 only when all its parts are converted
+        fused = {part for group, parts in spec.fused_projections.items()
+                 if _held(block, group) and not shape.keys() & set(parts) for part in parts}
+        for name in spec.block_plan:
+            if name not in shape and recipe == "mxfp8" and block.get_submodule(name).bias is not None \
+                    and name not in fused:
+                shape[name] = "a bias (torchao's MXFP8 linear would drop it)"
+        skipped.update({f"{spec.blocks}.{index}.{name}": why for name, why in shape.items()})
     return skipped
 
 
