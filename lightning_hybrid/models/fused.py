@@ -40,7 +40,10 @@ class _FusedLinearFunction(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx: Any, x: Tensor, count: int, dtype: torch.dtype, *params: Tensor) -> Tensor:
+    def forward(ctx: Any, x: Tensor, dtype: torch.dtype, bias: bool, *params: Tensor) -> Tensor:
+        # the parts' count from the argument tuple's length, not an int argument: torch.compile would make an int
+        # that differs between calls (3 for q/k/v, 2 for gate/up) a symbolic one, which cannot slice a tuple
+        count = len(params) // 2 if bias else len(params)
         weights, biases = params[:count], params[count:]
         xc = x.to(dtype)
         weight = torch.cat([w.to(dtype) for w in weights])
@@ -91,7 +94,7 @@ def fused_linear(x: Tensor, weights: Sequence[Tensor], biases: Optional[Sequence
         The parts' outputs, (..., out_i) each (views of one tensor).
     """
     params = [*weights, *(biases or ())]
-    out = _FusedLinearFunction.apply(x, len(weights), _compute_dtype(x), *params)
+    out = _FusedLinearFunction.apply(x, _compute_dtype(x), bool(biases), *params)
     return list(out.split([w.shape[0] for w in weights], dim=-1))
 
 
