@@ -26,6 +26,9 @@
 #   fused      benchmarks/fused_projections.py --gemm --device cuda: q/k/v and gate/up of Qwen2.5-72B at tp=8 per rank
 #              (bf16, 4,096 tokens) as one GEMM each against separate GEMMs, forward and backward, and the share of
 #              the weights' concatenation (not run on hardware yet)
+#   moe        benchmarks/moe.py --grouped-check: torch._grouped_mm against the per-expert loop on CUDA in bf16 (outputs
+#              and gradients, one layer's experts at Qwen3-30B-A3B's expert size, timed), then the tiny-moe recipe on
+#              1 GPU with NCCL, bf16-mixed, 20 steps (ep=1: one GPU has no all-to-all; not run on hardware yet)
 #   eval       `lightning-hybrid eval` on the ckpt step's step-000030 with NCCL: three local harness tasks
 #              (tests/helpers/eval_tasks.py: multiple choice, rolling perplexity, greedy generation), the harness's
 #              results and samples under OUT/eval (needs the ckpt step first and the [eval] extra; not run on hardware yet)
@@ -36,12 +39,12 @@
 set -uo pipefail
 
 SKIPPED=77  # exit code of a step that does not apply to this GPU (mxfp8 below compute capability 10.0)
-STEPS_ALL="mfu tiny-nccl preflight ckpt gpu-health docmask async-tp float8 mxfp8 fused eval"
+STEPS_ALL="mfu tiny-nccl preflight ckpt gpu-health docmask async-tp float8 mxfp8 fused moe eval"
 OUT=gpu-smoke
 GPU=h200
 ONLY=""
 PRINT=0
-usage() { sed -n '2,25p' "$0" | sed 's/^# \{0,1\}//'; }
+usage() { sed -n '2,35p' "$0" | sed 's/^# \{0,1\}//'; }
 while [ $# -gt 0 ]; do
     case "$1" in
         -h|--help) usage; exit 0 ;;
@@ -70,6 +73,7 @@ fi
 HERE=$(cd "$(dirname "$0")/.." && pwd)
 LH="lightning-hybrid"
 TINY="$HERE/recipes/tiny-cpu.yaml"
+TINY_MOE="$HERE/recipes/tiny-moe-cpu.yaml"
 ON_GPU=(--trainer.accelerator gpu --trainer.devices 1 --trainer.strategy.tp 1 --trainer.strategy.pp 1
         --trainer.strategy.process_group_backend nccl --trainer.precision bf16-mixed --trainer.val_check_interval 10
         --trainer.limit_val_batches 2 --trainer.enable_progress_bar false --trainer.logger.init_args.save_dir "$OUT")
@@ -100,6 +104,9 @@ $(command -v $LH || echo $LH) fit --config $TINY ${ON_GPU[*]} ${MONITOR[*]} --tr
 sys.exit(0 if torch.cuda.get_device_capability() >= (10, 0) else $SKIPPED)' && python \
 $HERE/benchmarks/float8_smoke.py --preset qwen2.5-1.5b --float8 mxfp8 --steps 50" ;;
         fused) printf '%s\n' python "$HERE/benchmarks/fused_projections.py" --gemm --device cuda ;;
+        moe) printf '%s\n' bash -c "set -e; python $HERE/benchmarks/moe.py --grouped-check; torchrun \
+--nproc_per_node 1 $(command -v $LH || echo $LH) fit --config $TINY_MOE ${ON_GPU[*]} --trainer.strategy.ep 1 \
+--trainer.max_steps 20" ;;
         eval) printf '%s\n' bash -c "set -e; python -c 'import sys; from pathlib import Path; \
 sys.path.insert(0, \"$HERE/tests\"); from helpers.eval_tasks import write_tasks, write_tokenizer; \
 write_tasks(Path(\"$OUT/eval/tasks\")); write_tokenizer(Path(\"$OUT/eval/tokenizer\"))'; \
@@ -109,8 +116,8 @@ torchrun --nproc_per_node 1 $(command -v $LH || echo $LH) eval --config $TINY ${
     esac
 }
 LIMITS="mfu=180 tiny-nccl=90 preflight=120 ckpt=150 gpu-health=90 docmask=90 async-tp=300 float8=240 mxfp8=240
-fused=60 eval=120"
-# seconds: 1680 s in all, 1440 s where mxfp8 is skipped (below compute capability 10.0)
+fused=60 moe=120 eval=120"
+# seconds: 1800 s in all, 1560 s where mxfp8 is skipped (below compute capability 10.0)
 
 if [ "$PRINT" = 1 ]; then
     for step in $STEPS; do
@@ -150,6 +157,8 @@ for step in $STEPS; do
         float8|mxfp8) FIGURE[$step]=$(grep -E '^loss relative difference' "$OUT/$step.log") ;;
         fused) FIGURE[$step]=$(grep -E '^\| (q/k/v|gate/up) ' "$OUT/$step.log" | awk -F'|' '{print $2 "fused/separate" $7}' \
                    | tr -s ' ' | tr '\n' ' ') ;;
+        moe) FIGURE[$step]=$(grep -E '^grouped GEMM vs loop|throughput: [0-9,]+ tokens/s' "$OUT/$step.log" \
+                 | tail -2 | tr '\n' ' ') ;;
         eval) FIGURE[$step]=$(grep -E '^\|tiny_mc' "$OUT/$step.log" | tr -s ' ' | head -1) ;;
     esac
 done

@@ -16,6 +16,9 @@ from argparse import ArgumentError
 from pathlib import Path
 from typing import Any, Callable, Optional
 
+from lightning_hybrid.distributed.exit_report import DEBUG_ENV, EXIT_USER_ERROR, user_error_message
+from lightning_hybrid.distributed.exit_report import is_global_rank_zero as _is_global_rank_zero
+
 __all__ = ["main", "TOOLS", "EXIT_USER_ERROR", "user_error_message", "check_before_launch", "check_strategy_arguments",
            "hybrid_cli_class", "check_config_files"]
 
@@ -38,9 +41,6 @@ LIGHTNING_SUBCOMMANDS = {
     "test": "run one test epoch",
     "predict": "run prediction",
 }
-EXIT_USER_ERROR = 2  # argparse's code for a bad command line
-DEBUG_ENV = "LIGHTNING_HYBRID_DEBUG"
-_PACKAGE_DIR = str(Path(__file__).resolve().parent)
 _PARSERS: list = []  # the LightningCLI parsers of this command, for the keys an unknown one is compared with
 
 
@@ -62,43 +62,6 @@ def _tool(target: str) -> Callable[[list[str]], int]:
     except ModuleNotFoundError as err:
         raise SystemExit(f"lightning-hybrid: this subcommand is not available in this install ({err})") from err
     return getattr(module, func)
-
-
-def _is_global_rank_zero() -> bool:
-    """True in the launcher process or global rank 0 (torchrun sets RANK; Lightning's launcher LOCAL_RANK/NODE_RANK)."""
-    if "RANK" in os.environ:
-        return os.environ["RANK"] == "0"
-    return os.environ.get("LOCAL_RANK", "0") == "0" and os.environ.get("NODE_RANK", "0") == "0"
-
-
-def _raised_in_package(err: BaseException) -> bool:
-    tb = err.__traceback__
-    last = None
-    while tb is not None:
-        last = tb.tb_frame.f_code.co_filename
-        tb = tb.tb_next
-    return last is not None and str(Path(last).resolve()).startswith(_PACKAGE_DIR)
-
-
-def user_error_message(err: BaseException) -> Optional[str]:
-    """The one-line message of a user's mistake somewhere in ``err``'s chain, or ``None`` for anything else (a bug).
-
-    A user's mistake is a ``ValueError``, ``TypeError``, ``FileNotFoundError`` or checkpoint error raised by this
-    package's own checks (libraries wrap them: jsonargparse re-raises the constructor's error inside its own).
-    """
-    from lightning_hybrid.checkpoint.manifest import CheckpointError
-
-    seen: set[int] = set()
-    chain: list[BaseException] = []
-    while err is not None and id(err) not in seen:
-        seen.add(id(err))
-        chain.append(err)
-        err = err.__cause__ or err.__context__
-    for item in chain:
-        if isinstance(item, CheckpointError) or (
-                isinstance(item, (ValueError, TypeError, FileNotFoundError)) and _raised_in_package(item)):
-            return " ".join(str(item).split())
-    return None
 
 
 def check_files(model: Any, ckpt_path: Optional[str] = None) -> None:
@@ -154,11 +117,11 @@ def check_before_launch(trainer: Any, model: Any, datamodule: Any, ckpt_path: Op
     seq_len = getattr(getattr(datamodule, "hparams", None), "seq_len", None)
     if options.cp > 1 and isinstance(seq_len, int):
         check_sequence_length(seq_len, options.cp)
-    config = getattr(model, "config", None)
+    from lightning_hybrid.checkpoint.lineage import model_config_of
+
     for callback in trainer.callbacks:
         if isinstance(callback, FaultTolerantCheckpoint):
-            callback.check_model_matches(config.to_dict() if hasattr(config, "to_dict") else None)
-            callback.check_lineage(ckpt_path)
+            callback.check_lineage(ckpt_path, model_config_of(model))
 
 
 def check_strategy_arguments(strategy: Any) -> None:

@@ -41,13 +41,19 @@ def fill_normal_region(out: Tensor, global_shape: tuple[int, ...], offset: tuple
                        seed: int, name: str) -> None:
     """Fill ``out`` with the values N(0, std) that the full tensor of ``global_shape`` holds at ``offset``.
 
-    ``out`` may be any contiguous slice of a 1-D or 2-D tensor (rows and/or columns).
+    ``out`` may be any contiguous slice of a 1-D or 2-D tensor (rows and/or columns), or any box of a 3-D tensor
+    (experts of a mixture, ``(experts, rows, cols)``): each expert ``e`` is the 2-D tensor of its own stream
+    ``{name}.{e}``, so a rank holding some experts (or some rows of them) draws only those.
 
     Raises:
-        ValueError: the tensor has more than two dimensions.
+        ValueError: the tensor has more than three dimensions.
     """
-    if len(global_shape) > 2:
-        raise ValueError(f"parameter {name} has shape {tuple(global_shape)}; only 1-D and 2-D are supported")
+    if len(global_shape) == 3:
+        for i in range(out.shape[0]):
+            fill_normal_region(out[i], global_shape[1:], offset[1:], std, seed, f"{name}.{offset[0] + i}")
+        return
+    if len(global_shape) > 3:
+        raise ValueError(f"parameter {name} has shape {tuple(global_shape)}; only 1-D to 3-D are supported")
     rows = global_shape[0]
     cols = global_shape[1] if len(global_shape) == 2 else 1
     local = out.view(out.shape[0], -1) if out.dim() == 2 else out.view(-1, 1)

@@ -27,6 +27,7 @@ from lightning_hybrid.distributed.context_parallel import shard_batch
 from lightning_hybrid.distributed.data_parallel import all_reducing, torch_dtype
 from lightning_hybrid.distributed.declared import declared_model, parallelize_declared
 from lightning_hybrid.distributed.elastic import init_round_process_group
+from lightning_hybrid.distributed.exit_report import report_exits
 from lightning_hybrid.distributed.fault_tolerance import (
     ReplicaGroups,
     check_fault_tolerance,
@@ -57,7 +58,7 @@ class HybridParallelStrategy(ModelParallelStrategy):
     (``parallel_spec()``, like :class:`~lightning_hybrid.models.CausalLM`) is built by the strategy: parallelized,
     materialized from the meta device, initialized mesh-independently. One whose ``configure_model`` parallelizes
     itself (for Lightning's ``ModelParallelStrategy``) keeps working with ``pp=1`` on Lightning's 2-D mesh; what it
-    leaves unsynchronized over dp is replicated. A bare ``HybridParallelStrategy()`` is tp=1, dp=world.
+    leaves unsynchronized over dp is replicated. Bare: tp=1, dp=world (self-parallelizing: tp, dp = devices, nodes).
 
     Args:
         tp: tensor-parallel size; keep it within a node. ``"auto"`` here and in the seven options below: planned.
@@ -80,7 +81,8 @@ class HybridParallelStrategy(ModelParallelStrategy):
         timeout: timeout of collectives; a dead peer ends the run with a timeout error instead of a hang.
         hang_timeout: seconds without progress after which every rank exits naming the hung rank (600; None: off).
         data_parallel_size, tensor_parallel_size: Lightning's names of dp, tp; ``"auto"``: nodes, devices per node.
-        cp: context-parallel size (sequences split, ring attention); ``dp_shard``: HSDP's shard group (``"hsdp"``).
+        cp: context-parallel size (sequences split, ring attention); ``dp_shard``: HSDP's shard group (``"hsdp"``);
+            ``ep``: expert-parallel size, carved from dp (the experts split, see docs/moe.md).
         loss_parallel, bf16_compute_weights, fsdp_reshard_after_forward, async_tp: see docs/performance.md.
         float8: ``None``, ``"tensorwise"``, ``"rowwise"`` or ``"mxfp8"``: float8 block linears (:mod:`~.float8`).
         fault_tolerance, min_replica_groups, ft_timeout: ``"torchft"``: this launch is one replica group of a torchft
@@ -115,7 +117,7 @@ class HybridParallelStrategy(ModelParallelStrategy):
         hang_timeout: Optional[float] = HANG_TIMEOUT,
         data_parallel_size: Optional[Union[int, Literal["auto"]]] = None,
         tensor_parallel_size: Optional[Union[int, Literal["auto"]]] = None,
-        cp: int = 1, dp_shard: Optional[int] = None, loss_parallel: bool = True, async_tp: bool = False,
+        cp: int = 1, dp_shard: Optional[int] = None, ep: int = 1, loss_parallel: bool = True, async_tp: bool = False,
         bf16_compute_weights: bool = True, fsdp_reshard_after_forward: Union[bool, Literal["auto"]] = "auto",
         float8: Optional[str] = None,
         fault_tolerance: Optional[str] = None, min_replica_groups: int = 1, ft_timeout: float = 60.0,
@@ -168,10 +170,12 @@ class HybridParallelStrategy(ModelParallelStrategy):
         """All size checks that need no collective; identical on every rank, so every rank raises alike."""
         self._spec = declared_spec(self.lightning_module)
         check_device_options(self.options, self.root_device, self._get_process_group_backend())
-        self._dims = check_request(self, self._spec, self._precision)  # None: "auto", planned once the group exists
+        # None: "auto", planned once the process group exists
+        self._dims = check_request(self, self._spec, self._precision, rank_zero_info)
 
     @override
     def setup_environment(self) -> None:
+        report_exits(self)  # a user error or a lost peer ends a worker with one line, not a traceback per rank
         self._validate()
         init_round_process_group(self._get_process_group_backend(), self._timeout, self.root_device)
         self._setup_distributed()
@@ -225,9 +229,7 @@ class HybridParallelStrategy(ModelParallelStrategy):
         return self.replica_groups.average_in_step(result)
 
     @override
-    def model_to_device(self) -> None:
-        # A declared model was materialized on the right device already; only move leftover buffers.
-        assert self.model is not None
+    def model_to_device(self) -> None:  # a declared model is on its device already: only leftover buffers move
         if self._spec is None:
             return super().model_to_device()
         move_buffers(self.model, self.root_device)

@@ -11,12 +11,21 @@ import json
 import os
 import sys
 from pathlib import Path
+from typing import Optional
 
 import lightning as L
 import torch
 import torch.distributed as dist
 
-from helpers.equivalence import GLOBAL_BATCH, SEED, LossRecorder, make_dataset, make_trainer_kwargs, tiny_config
+from helpers.equivalence import (
+    GLOBAL_BATCH,
+    SEED,
+    LossRecorder,
+    make_dataset,
+    make_mixture_loader,
+    make_trainer_kwargs,
+    tiny_config,
+)
 from helpers.gather import first_prediction, full_weights, gather_merged, gather_objects
 from helpers.worker_exit import end_worker
 from lightning_hybrid import HybridParallelStrategy
@@ -38,6 +47,18 @@ def evaluate_after_fit(trainer: L.Trainer, module: L.LightningModule, val) -> di
     return {"test_loss": test_loss, "logits": first_prediction(trainer.predict(module, dataloaders=inputs))}
 
 
+class SampleRecorder(L.Callback):
+    """Rank 0: the samples of every global batch (their first tokens, sorted), gathered from the dp ranks."""
+
+    def __init__(self) -> None:
+        self.batches: list[list[list[int]]] = []
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
+        dp_rank = trainer.strategy.distributed_sampler_kwargs["rank"]
+        parts = gather_objects((dp_rank, [row[:6].tolist() for row in batch[0]]))
+        self.batches.append(sorted(sample for _, samples in dict(parts).items() for sample in samples))
+
+
 class SaveAt(L.Callback):
     """Save a checkpoint at the end of optimizer step ``step``, where a fault-tolerant callback would."""
 
@@ -50,17 +71,20 @@ class SaveAt(L.Callback):
             trainer.should_stop = True  # as if the job died here: the LR schedule still spans all steps
 
 
-def _module(kind: str) -> L.LightningModule:
+def _module(kind: str, hf: Optional[str] = None) -> L.LightningModule:
     if kind == "model_parallel_user":
         from user_module import UserTPModule
 
         return UserTPModule()
+    if hf is not None:  # a Hugging Face folder: its family and its weights
+        return CausalLM(hf, init_from_hf=hf, **make_trainer_kwargs()["module"])
     return CausalLM(tiny_config(), **make_trainer_kwargs()["module"])
 
 
-def _fit(config: dict, kind: str, trainer_extra: dict, callbacks: list, ckpt_path=None, max_steps=None):
+def _fit(config: dict, kind: str, trainer_extra: dict, callbacks: list, ckpt_path=None, max_steps=None,
+         mixture: bool = False, hf: Optional[str] = None):
     world = int(os.environ["WORLD_SIZE"])
-    module = _module(kind)
+    module = _module(kind, hf)
     kwargs = {**make_trainer_kwargs()["trainer"], **trainer_extra}
     if max_steps is not None:
         kwargs["max_steps"] = max_steps
@@ -78,6 +102,8 @@ def _fit(config: dict, kind: str, trainer_extra: dict, callbacks: list, ckpt_pat
         return trainer, module, data.val_dataloader()
     dp = config.get("dp") or world // (config.get("tp", 1) * config.get("pp", 1) * config.get("cp", 1))
     train, val = make_dataset(GLOBAL_BATCH // dp)
+    if mixture:
+        train = make_mixture_loader(GLOBAL_BATCH // dp)
     trainer.fit(module, train_dataloaders=train, val_dataloaders=val, ckpt_path=ckpt_path)
     return trainer, module, val
 
@@ -91,23 +117,33 @@ def run(config: dict, out: Path) -> None:
     resume_config = config.pop("resume_config", None)
     load_from = config.pop("load_from", None)      # resume from an existing checkpoint
     stop_after_save = config.pop("stop_after_save", False)
+    mixture = config.pop("mixture", False)         # train on a weighted mixture; record each step's samples
+    hf = config.pop("hf", None)                    # a Hugging Face folder to build the model from and load
+    export_to = config.pop("save_end", None)       # save a checkpoint there at the end (for export-hf)
     import lightning_hybrid.distributed.activation_checkpoint as recompute_and_compile
     # the compile-under-TP workaround switched off (tests/test_compile_tp.py shows the wrong gradients then)
     recompute_and_compile.TP_COMPILE_WORKAROUND = config.pop("tp_compile_workaround", True)
     L.seed_everything(SEED)
-    losses, weights = LossRecorder(), WeightRecorder()
+    losses, weights, samples = LossRecorder(), WeightRecorder(), SampleRecorder()
+    recorders = [losses, samples] if mixture else [losses]
     if save_at is not None:
         ckpt = out / f"ckpt_{name}"
-        trainer, module, val = _fit(dict(config), kind, trainer_extra, [losses, weights, SaveAt(save_at, ckpt)])
+        trainer, module, val = _fit(dict(config), kind, trainer_extra, [*recorders, weights, SaveAt(save_at, ckpt)],
+                                    mixture=mixture)
         if not stop_after_save:
             L.seed_everything(SEED + 1)  # the resumed run must not depend on the seed it starts with
             config = dict(resume_config or config)
-            trainer, module, val = _fit(dict(config), kind, trainer_extra, [losses], ckpt_path=ckpt)
+            trainer, module, val = _fit(dict(config), kind, trainer_extra, recorders, ckpt_path=ckpt, mixture=mixture)
     else:
-        trainer, module, val = _fit(dict(config), kind, trainer_extra, [losses, weights], ckpt_path=load_from)
+        trainer, module, val = _fit(dict(config), kind, trainer_extra, [*recorders, weights], ckpt_path=load_from,
+                                    mixture=mixture, hf=hf)
+    if export_to is not None:
+        trainer.save_checkpoint(out / export_to)
     final = full_weights(module.model)
-    record = {"losses": losses.losses, "val_loss": float(trainer.callback_metrics["val_loss"])
-              if "val_loss" in trainer.callback_metrics else None, "initial": weights.initial, "final": final,
+    record = {"losses": losses.losses, "samples": samples.batches,
+              "val_loss": (float(trainer.callback_metrics["val_loss"]) if "val_loss" in trainer.callback_metrics
+                           else None),
+              "initial": weights.initial, "final": final,
               "optimizer": optimizer_state(module),
               "switches": applied_switches(module.model, getattr(trainer.strategy, "pipeline", None)),
               "bubble": getattr(trainer.strategy, "bubble_report", None),

@@ -11,6 +11,7 @@ record per rank. The tests assert on the records; nothing is asserted here, so o
 from __future__ import annotations
 
 import json
+import os
 import sys
 from datetime import timedelta
 from pathlib import Path
@@ -251,15 +252,19 @@ def mesh_sizes(out: Path) -> dict[str, Any]:
     return facts
 
 
-def tensor_parallel_auto(out: Path) -> dict[str, Any]:
-    """Lightning's default sizes ("auto": tp = 4 devices of the node): TP only, every rank sees the same data."""
-    trainer = trainer_for(HybridParallelStrategy(data_parallel_size="auto", tensor_parallel_size="auto"), out,
-                          max_steps=2)
-    with trainer.init_module(empty_init=True):
-        module = UserModule(tensor_parallel)
-    meta = all(p.is_meta for p in module.parameters())
-    trainer.fit(module)
-    return {**module.facts, "meta_before_setup": meta, "steps": trainer.global_step}
+def tensor_parallel_bare(out: Path) -> dict[str, Any]:
+    """A bare strategy, as code written for ``ModelParallelStrategy()`` gives none: tp = the node's 4 devices, dp = 1
+    node; TP only, every rank sees the same data; compiled and not."""
+    facts = {}
+    for compile in (False, True):
+        trainer = trainer_for(HybridParallelStrategy(), out, max_steps=2)
+        with trainer.init_module(empty_init=True):
+            module = UserModule(tensor_parallel, compile=compile)
+        meta = all(p.is_meta for p in module.parameters())
+        trainer.fit(module)
+        facts[f"compile={compile}"] = {**module.facts, "meta_before_setup": meta, "steps": trainer.global_step,
+                                       "compiled": type(module.model).__name__}
+    return facts
 
 
 def fsdp2_tensor_parallel(out: Path, compile: bool = False) -> dict[str, Any]:
@@ -366,10 +371,10 @@ def string_batch(out: Path) -> dict[str, Any]:
 
 
 def tp_only_replicas(out: Path) -> dict[str, Any]:
-    """A module that applies only TP, under dp > 1 (the bare strategy: tp=1, dp=4; and tp=2, dp=2): the strategy
-    replicates its parameters over dp; after 4 steps every dp replica holds the same weights, and they moved."""
+    """A module that applies only TP, under dp > 1 (tp=1, dp=4; and tp=2, dp=2): the strategy replicates its
+    parameters over dp; after 4 steps every dp replica holds the same weights, and they moved."""
     facts = {}
-    for name, strategy in (("bare", HybridParallelStrategy()), ("tp2", HybridParallelStrategy(tp=2))):
+    for name, strategy in (("dp4", HybridParallelStrategy(dp=4)), ("tp2", HybridParallelStrategy(tp=2))):
         trainer = trainer_for(strategy, out, max_steps=4)
         module = UserModule(tensor_parallel)
         L.seed_everything(int(dist.get_rank()), verbose=False)  # different initial weights per rank: broadcast fixes
@@ -384,16 +389,92 @@ def tp_only_replicas(out: Path) -> dict[str, Any]:
     return facts
 
 
+class BranchFeedForward(FeedForward):
+    """The feed-forward plus an adapter that only samples flagged in their last feature go through: a branch (an
+    adapter, an expert no token is routed to) whose parameters get no gradient on a rank whose batch skips it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.adapter = nn.Linear(32, 32)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        features, flag = x[:, :32], x[:, 32:]
+        out = super().forward(features)
+        if bool(flag.any()):  # per sample: a flagged sample's output does not depend on the others of its batch
+            out = out + flag * self.adapter(features)
+        return out
+
+
+BRANCH_STEPS, BRANCH_DP, BRANCH_PER_RANK = 4, 2, 2
+# Global sample i is read in step i // 4 by dp rank (i % 4) // 2. Flagged: step 0 only rank 0's sample 0, step 1
+# only rank 1's sample 7, step 2 none (no rank uses the adapter), step 3 both ranks.
+BRANCH_FLAGGED = (0, 7, 12, 14, 15)
+
+
+def branch_samples() -> torch.Tensor:
+    """The 16 samples (32 features and the flag) in global order: global batch k is rows 4k to 4k + 3."""
+    samples = torch.randn(BRANCH_STEPS * BRANCH_DP * BRANCH_PER_RANK, 33, generator=torch.Generator().manual_seed(3))
+    samples[:, 32] = 0.0
+    samples[list(BRANCH_FLAGGED), 32] = 1.0
+    return samples
+
+
+def branch_loss(model: nn.Module, batch: torch.Tensor) -> torch.Tensor:
+    return model(batch).pow(2).mean()
+
+
+def branch_optimizer(params: Any) -> torch.optim.Optimizer:
+    return torch.optim.AdamW(params, lr=1e-2, weight_decay=0.1)  # decay: a zero gradient would still move weights
+
+
+class BranchModule(UserModule):
+    """TP on the feed-forward (``tensor_parallel=2``), the adapter left alone: the strategy replicates both over dp."""
+
+    def __init__(self) -> None:
+        super().__init__(tensor_parallel)
+        self.model = BranchFeedForward()
+
+    def training_step(self, batch: torch.Tensor, batch_idx: int) -> torch.Tensor:
+        return branch_loss(self.model, batch)
+
+    def train_dataloader(self) -> DataLoader:
+        rank = self.trainer.strategy.distributed_sampler_kwargs["rank"]
+        order = [step * BRANCH_DP * BRANCH_PER_RANK + rank * BRANCH_PER_RANK + i
+                 for step in range(BRANCH_STEPS) for i in range(BRANCH_PER_RANK)]
+        return DataLoader(list(branch_samples()), batch_size=BRANCH_PER_RANK, sampler=order)
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return branch_optimizer(self.model.parameters())
+
+
+def unused_branch(out: Path) -> dict[str, Any]:
+    """dp=2 x tp=2, 4 steps, the adapter used on one dp rank only, on neither, on both: trains, every rank holds the
+    same weights after it, and the weights it started from are recorded for the one-process reference."""
+    strategy = HybridParallelStrategy(dp=BRANCH_DP, tp=2)
+    trainer = trainer_for(strategy, out, max_steps=BRANCH_STEPS, use_distributed_sampler=False)
+    module = BranchModule()
+    L.seed_everything(int(os.environ["RANK"]), verbose=False)  # different initial weights per rank: broadcast fixes
+    trainer.fit(module)
+    weights = full_state(module.model)
+    first = gather_objects({k: v.tolist() for k, v in weights.items()})[0]
+    return {"steps": trainer.global_step, "dp": strategy.dims.dp, "tp": strategy.dims.tp,
+            "replicated": len(strategy._replicas.params) if strategy._replicas else 0,
+            "difference_to_rank0": max_difference(weights, {k: torch.tensor(v) for k, v in first.items()}),
+            "start": {k: v.tolist() for k, v in module.start_weights.items()},
+            "final": {k: v.tolist() for k, v in weights.items()}}
+
+
 SCENARIOS: dict[str, Callable[[Path], dict[str, Any]]] = {
     "mesh_and_timeouts": mesh_and_timeouts,  # first: its strategy creates the default process group
     "mesh_sizes": mesh_sizes,
-    "tensor_parallel_auto": tensor_parallel_auto,
+    "tensor_parallel_bare": tensor_parallel_bare,
     "fsdp2_tensor_parallel": fsdp2_tensor_parallel,
     "full_checkpoint": full_checkpoint,
     "compiled_full_checkpoint": lambda out: full_checkpoint(out, compile=True),
     "sharded_checkpoint": sharded_checkpoint,
     "string_batch": string_batch,
     "tp_only_replicas": tp_only_replicas,
+    "unused_branch": unused_branch,
 }
 
 

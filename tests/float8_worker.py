@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import sys
+from typing import Optional
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -27,7 +28,9 @@ FLOAT8_TINY = {"intermediate_size": 192}
 FLOAT8_LR = 1e-3  # bf16 rounding (4e-3) grows fast under lr 1e-2; this keeps 10 steps comparable at 1e-3
 
 
-def float8_module(kind: str) -> CausalLM:
+def float8_module(kind: str, hf: Optional[str] = None) -> CausalLM:
+    """dist_worker's ``_module`` for every configuration (``hf`` unused: no float8 case loads a Hugging Face model)."""
+    assert hf is None, hf
     return CausalLM(tiny_config(**FLOAT8_TINY), **{**make_trainer_kwargs()["module"], "lr": FLOAT8_LR})
 
 

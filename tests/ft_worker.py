@@ -70,6 +70,8 @@ class Faults(L.Callback):
         if kill_at and step == kill_at and trainer.global_rank == int(env("KILL_RANK", "1")):
             if not first_only or env("TORCHELASTIC_RESTART_COUNT", "0") == "0":
                 os.kill(os.getpid(), signal.SIGKILL)
+        if int(env("KILL_ALL_AT", "0")) == step:
+            os.kill(os.getpid(), signal.SIGKILL)
         self.fill_or_free_disk(trainer, step)
         if int(env("SIGTERM_AT", "0")) == step and not (self.out / f"sigterm_sent_{trainer.global_rank}").exists():
             (self.out / f"sigterm_sent_{trainer.global_rank}").touch()
@@ -99,16 +101,23 @@ def fill_disk(path: Path, leave: int = 0) -> None:
 def inject_dcp_like_failures() -> None:
     """FAIL_LIKE_DCP_AT=N: DCP's own file writer raises ENOSPC while writing the step-N checkpoint, so DCP wraps it
     exactly as for a full disk (CheckpointException, from the background thread when async)."""
+    def no_space_left() -> None:
+        raise OSError(28, "No space left on device")
+
     fail_at = int(env("FAIL_LIKE_DCP_AT", "0"))
-    if not fail_at:
-        return
+    if fail_at:
+        before_writing(fail_at, no_space_left)
+
+
+def before_writing(step: int, action) -> None:
+    """Run ``action`` in DCP's file writer (local or fsspec) before it writes the step-``step`` checkpoint's data."""
     from torch.distributed.checkpoint.filesystem import FileSystemWriter
 
     original = FileSystemWriter.write_data
 
     def write_data(self, plan, planner):
-        if f"step-{fail_at:06d}" in str(self.path):
-            raise OSError(28, "No space left on device")
+        if f"step-{step:06d}" in str(self.path):
+            action()
         return original(self, plan, planner)
 
     FileSystemWriter.write_data = write_data
@@ -159,7 +168,57 @@ def slow_down_background_writer() -> None:
     FileSystemWriter.prepare_local_plan = slow
 
 
+def slow_down_staging() -> None:
+    """SLOW_STAGING=S: the background copy of each async save's state to host memory starts S seconds late, after the
+    next step's forward and backward (on a GPU the copy from device memory can end that late; on CPU it always ends
+    first). Unless the optimizer step waits for it (FaultTolerantCheckpoint.on_before_optimizer_step), the copy then
+    reads the next step's weights and the checkpoint is not of its own step."""
+    seconds = float(env("SLOW_STAGING", "0"))
+    if not seconds:
+        return
+    from concurrent.futures import Future, ThreadPoolExecutor
+
+    import lightning_hybrid.checkpoint.staging as staging
+
+    original, late = staging._stager, ThreadPoolExecutor(1, thread_name_prefix="late-stager")
+
+    class LateStager:
+        """DCP's stager, started ``seconds`` late in a thread of its own (its ``stage`` returns a Future, as an
+        asynchronous stager's does)."""
+
+        should_synchronize_after_execute = False
+
+        def __init__(self, inner) -> None:
+            self.inner = inner
+
+        def stage(self, state_dict):
+            def copy():
+                time.sleep(seconds)
+                staged = self.inner.stage(state_dict)
+                return staged.result() if isinstance(staged, Future) else staged
+
+            return late.submit(copy)
+
+        def synchronize_staging(self) -> None:
+            pass
+
+        def close(self) -> None:
+            self.inner.close()
+
+    staging._stager = lambda options: LateStager(original(options))
+
+
+def slow_down_daemon_write() -> None:
+    """SLOW_DAEMON_WRITE_AT=N: in a process writer daemon (which imports this script as ``__mp_main__``), the write of
+    the step-N checkpoint sleeps 60 s before it starts: a daemon busy with a long upload when its training process
+    dies."""
+    step = int(env("SLOW_DAEMON_WRITE_AT", "0"))
+    if step:
+        before_writing(step, lambda: time.sleep(60))
+
+
 def main() -> None:
+    slow_down_staging()
     inject_write_failures()
     inject_dcp_like_failures()
     slow_down_background_writer()
@@ -189,6 +248,8 @@ def main() -> None:
     dist.barrier()
 
 
+if __name__ == "__mp_main__":  # a process writer daemon, spawned by a training process of this script
+    slow_down_daemon_write()
 if __name__ == "__main__":
     main()
     end_worker()  # see helpers.worker_exit: a gloo thread must not outlive the interpreter

@@ -37,7 +37,7 @@ MODELS_MUST_NOT_IMPORT = ("torch.distributed", "lightning_hybrid.distributed", "
 PLANNER_MAY_IMPORT = ("lightning_hybrid.hardware", "lightning_hybrid.recipe_file", "lightning_hybrid.version",
                       "lightning_hybrid.models.spec", "lightning_hybrid.models.qwen2.config",
                       "lightning_hybrid.models.decoder.config", "lightning_hybrid.models.decoder.families",
-                      "lightning_hybrid.models.decoder.presets",
+                      "lightning_hybrid.models.decoder.presets", "lightning_hybrid.models.decoder.moe_config",
                       "lightning_hybrid.distributed.options", "lightning_hybrid.distributed.parallel_dims",
                       "lightning_hybrid.distributed.pipeline.schedules", "lightning_hybrid.distributed.pipeline.split")
 FRAMEWORKS = ("torch", "lightning", "lightning_fabric", "pytorch_lightning", "torchmetrics")

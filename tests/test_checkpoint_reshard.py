@@ -26,6 +26,9 @@ def runs(tmp_path_factory):
         {"name": "continued_dp4", "tp": 1, "pp": 1, "load_from": str(out / "ckpt_saved_tp2_pp2")},
         {"name": "continued_tp2_pp2", "tp": 2, "pp": 2, "load_from": str(out / "ckpt_saved_tp2_pp2")},
         {"name": "uninterrupted_tp2_pp2", "tp": 2, "pp": 2},
+        # a weighted data mixture: saved by a Trainer checkpoint on dp=2 (tp=2) at step 2, resumed on dp=4 (tp=1)
+        {"name": "mixture_dp2_then_dp4", "tp": 2, "mixture": True, "save_at": SAVE_AT, "resume_config": {"tp": 1}},
+        {"name": "mixture_dp2", "tp": 2, "mixture": True},
     ]
     records = run_workers(4, configs, out)
     single = [{"name": "loaded_single", "load_from": str(out / "ckpt_saved_tp2_pp2"),
@@ -54,3 +57,13 @@ def test_training_continues_on_four_dp_ranks_with_the_losses_of_the_uninterrupte
     # same global batches after the change of dp (1 -> 4): losses agree to fp32 reduction-order rounding
     for a, b in zip(continued, uninterrupted[SAVE_AT:]):
         assert abs(a - b) / abs(b) < 1e-5, (continued, uninterrupted)
+
+
+def test_a_weighted_mixture_resumed_from_a_trainer_checkpoint_on_dp4_reads_the_samples_of_the_dp2_run(runs):
+    resumed, straight = runs["mixture_dp2_then_dp4"], runs["mixture_dp2"]
+    assert len(straight["samples"]) == STEPS and all(len(batch) == 8 for batch in straight["samples"])
+    assert len({tuple(map(tuple, batch)) for batch in straight["samples"]}) == STEPS  # each step its own samples
+    # steps 1-2 on dp=2, then the checkpoint, steps 3-4 on dp=4: the same global batches in the same order
+    assert resumed["samples"] == straight["samples"]
+    for a, b in zip(resumed["losses"], straight["losses"]):
+        assert abs(a - b) / abs(b) < 1e-5, (resumed["losses"], straight["losses"])

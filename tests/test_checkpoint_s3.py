@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from helpers.compare import same_tensors
-from helpers.launch import TESTS, free_port, launch
+from helpers.launch import TESTS, free_port, launch, leftover_processes
 
 pytestmark = [pytest.mark.distributed, pytest.mark.timeout(900)]
 
@@ -183,12 +183,15 @@ def test_the_process_writer_gives_checkpoints_identical_to_the_thread_writer(bas
 
 
 @pytest.mark.slow
-def test_sigkill_during_a_background_process_write_commits_nothing(s3_endpoint, tmp_path):
-    result = _run(tmp_path, f"s3://{BUCKET}/process_killed", check=False, ASYNC_WRITER="process", KILL_AT=4,
-                  KILL_RANK=0, KEEP=2)
+def test_sigkill_during_a_background_process_write_commits_nothing_and_leaves_no_writer(s3_endpoint, tmp_path):
+    # Every training process SIGKILLed at the end of step 5, while each rank's writer daemon is busy with the step-4
+    # upload (60 s of it): each daemon exits with its training process. DCP's own daemon went on with the upload
+    # nobody would commit (a 72B checkpoint's takes minutes), writing into the storage of the restarted job.
+    result = _run(tmp_path, f"s3://{BUCKET}/process_killed", check=False, ASYNC_WRITER="process", KILL_ALL_AT=5,
+                  KEEP=2, SLOW_DAEMON_WRITE_AT=4)
     assert result.returncode != 0
-    time.sleep(2)  # an orphaned writer daemon may still be uploading: it never writes a manifest
-    assert _steps("process_killed") == ["step-000002"]
+    assert leftover_processes(tmp_path, wait=15) == []
+    assert _steps("process_killed") == ["step-000002"], (result.stdout + result.stderr)[-6000:]
     assert "step-000004/meta.json" not in _objects("process_killed")
 
 

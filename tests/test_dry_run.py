@@ -104,6 +104,24 @@ def test_uneven_fsdp_shards_make_their_own_role() -> None:
     assert [r.ranks for r in rank_roles(config, spec, dims, options)] == [(0, 1), (2,)]
 
 
+def test_fsdp_shards_over_dp_times_cp_in_roles_and_in_the_planner_figures() -> None:
+    """FSDP shards over dp x cp (every cp rank holds its own shard): with tp=1, cp=2, dp=3 the vocabulary of 256 rows
+    splits 6-way as 43 x 5 + 41, so only the last (dp, cp) coordinate is a role of its own; and the planner is asked
+    about the layout with its cp (each rank's state is its 6-way shard, its tokens half of each sequence)."""
+    from lightning_hybrid.dryrun.cli import _check
+    from lightning_hybrid.dryrun.compare import _layout
+    from lightning_hybrid.dryrun.recipe import load_job
+    from lightning_hybrid.dryrun.roles import rank_roles
+
+    job = load_job(str(TINY))
+    job = type(job)(**{**job.__dict__, "devices_per_node": 6}).with_strategy(tp=1, cp=2)
+    options, dims, config, spec = _check(job)
+    assert (dims.dp, dims.cp) == (3, 2)
+    assert [r.ranks for r in rank_roles(config, spec, dims, options)] == [(0, 1, 2, 3, 4), (5,)]
+    layout = _layout(job, dims, options)  # what the planner is asked about each traced rank
+    assert (layout.cp, layout.shard_ranks) == (2, 6)
+
+
 def test_traced_ranks_run_in_fresh_processes_of_a_fork_server_with_the_callers_environment(monkeypatch) -> None:
     # A rank's process is forked from multiprocessing's fork server (which imported torch and Lightning once), not
     # spawned by the caller; one process per rank (a process joins one world); the caller's environment as it is at
@@ -196,12 +214,13 @@ def test_72b_recipe_dry_runs_fit_and_match_the_planner(report_72b) -> None:
 
 @pytest.mark.slow
 @pytest.mark.timeout(1500)  # the fixture's first use traces a 72B rank per stage
-def test_72b_recipe_transient_bytes_are_within_the_planners_tolerance(report_72b) -> None:
+def test_72b_recipe_peak_and_transient_bytes_are_within_10_percent_of_the_planner(report_72b) -> None:
     recipe, report, _ = report_72b
     for role in report["roles"]:
         # MemTracker's "activations" include FSDP2's gathered parameters, which the planner lists apart: everything
-        # but the model state is held against the planner's stated 20% tolerance.
-        assert abs(role["ratio"]["transient"] - 1) <= 0.2, (recipe, role["ranks"], role["ratio"])
+        # but the model state, and the total, are held against the planner within 10% (issue #49)
+        for figure in ("transient", "total"):
+            assert abs(role["ratio"][figure] - 1) <= 0.1, (recipe, role["ranks"], figure, role["ratio"])
 
 
 @pytest.mark.slow
@@ -234,18 +253,18 @@ def test_72b_recipe_without_model_parallelism_does_not_fit_an_h100(tmp_path) -> 
     assert "rank 0 (pp=0, dp=0, tp=0;" in line and "activation" in line and "usable" in line
 
 
-def _tiny_tp2_job(layers: int, sequence_parallel: bool):
-    """The tiny recipe as one TP pair (tp=2, fp32, one sequence of 128 tokens) with ``layers`` blocks and selective
-    recompute: the planner's activation model is per block and token, so two depths isolate one block."""
+def _tiny_tp2_job(layers: int, sequence_parallel: bool, model: str = "tiny", recompute: str = "selective"):
+    """The tiny recipe as one TP pair (tp=2, fp32, one sequence of 128 tokens) with ``layers`` blocks of ``model`` and
+    ``recompute``: the planner's activation model is per block and token, so two depths isolate one block."""
     from dataclasses import replace
 
     from lightning_hybrid.dryrun.recipe import load_job
     from lightning_hybrid.models.qwen2.config import Qwen2Config
 
-    config = replace(Qwen2Config.resolve("tiny"), num_hidden_layers=layers)
+    config = replace(Qwen2Config.resolve(model), num_hidden_layers=layers)
     return replace(load_job(str(TINY)), num_nodes=1, devices_per_node=2, precision="32-true", batch_size=1,
                    seq_len=128, model={"model": config},
-                   strategy={"tp": 2, "pp": 1, "dp": 1, "activation_checkpointing": "selective",
+                   strategy={"tp": 2, "pp": 1, "dp": 1, "activation_checkpointing": recompute,
                              "sequence_parallel": sequence_parallel})
 
 
@@ -268,6 +287,28 @@ def test_planner_counts_exactly_what_selective_recompute_keeps_per_block_and_tok
         traced = (peaks[(sp, 6)] - peaks[(sp, 2)]) / (4 * 128)
         planned = activation_model(Qwen2Config.resolve("tiny"), 2, sp, "selective", "32-true", 128).layer
         assert traced == planned, (sp, traced, planned)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(240)
+def test_planner_counts_exactly_what_qwen3_q_k_norms_keep_per_block_and_token() -> None:
+    # Qwen3's per-head q/k norms save their fp32 input, the fp32 rsqrt per head and the normalized value (for the
+    # weight's gradient); a head_dim of 32 at width 64 (tiny-qwen3): q is twice the width. Without recompute they are
+    # kept; selective recompute re-runs them. Traced 6 blocks less 2 blocks, per token, tp=2 with sequence parallel.
+    from lightning_hybrid.dryrun.cli import role_pool
+    from lightning_hybrid.dryrun.rank import run_rank
+    from lightning_hybrid.models.qwen2.config import Qwen2Config
+    from lightning_hybrid.planner.memory import activation_model
+
+    cases = [(mode, layers) for mode in ("none", "selective") for layers in (2, 6)]
+    with role_pool(2) as pool:
+        peaks = dict(zip(cases, (r.activation_peak for r in pool.map(
+            run_rank, [_tiny_tp2_job(layers, True, "tiny-qwen3", mode) for mode, layers in cases],
+            [0] * len(cases)))))
+    config = Qwen2Config.resolve("tiny-qwen3")
+    for mode in ("none", "selective"):
+        traced = (peaks[(mode, 6)] - peaks[(mode, 2)]) / (4 * 128)
+        assert traced == activation_model(config, 2, True, mode, "32-true", 128).layer, (mode, traced)
 
 
 @pytest.mark.slow  # two dry runs of the tiny recipe (about 20 s)
@@ -293,3 +334,72 @@ def test_an_hsdp_recipe_dry_runs_with_the_state_of_its_shard_group(tmp_path, cap
             assert role["traced"][figure] == role["planner"][figure], (role["ranks"], figure)
         # half the parameters of a replica (the tiny model's rows split evenly over a shard group of 2)
         assert abs(role["traced"]["parameters"] / full - 0.5) < 0.01, (role["traced"]["parameters"], full)
+
+
+# The vocabulary-parallel cross-entropy of a 2-rank TP group on one rank, traced on the fake world (its own process:
+# a process joins one world). DTensor's sharding propagator runs each operator once on fake tensors of the *global*
+# shape to learn the output's; on a GPU that is a fake mode of its own, in a dry run it was the dry run's, and the
+# tracker counted those phantoms (40 GB at the 72B SFT recipe's 32,768 tokens).
+LOSS_PARALLEL_TRACE = """
+import sys, torch, torch.nn.functional as F
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import DTensor, Shard
+from torch.distributed.tensor.parallel import loss_parallel
+from lightning_hybrid.dryrun.accounting import MemoryPeaks
+from lightning_hybrid.dryrun.fake import DryRunTensorMode, fake_world
+tokens, vocab = 4096, 16384
+with fake_world(0, 2):
+    mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("tp",))
+    with DryRunTensorMode():
+        shard = torch.randn(tokens, vocab // 2).requires_grad_()  # this rank's fp32 logits
+        logits = DTensor.from_local(shard, mesh, [Shard(1)], run_check=False)
+        tracker = MemoryPeaks()
+        with tracker, loss_parallel():
+            F.cross_entropy(logits, torch.randint(0, vocab, (tokens,)), reduction="sum").backward()
+print(tracker.peak_breakdown()["Total"])
+"""
+
+
+@pytest.mark.timeout(120)
+def test_a_loss_parallel_trace_holds_what_the_planner_counts_not_global_shape_phantoms() -> None:
+    import sys
+
+    from lightning_hybrid.models.qwen2.config import Qwen2Config
+    from lightning_hybrid.planner.memory import activation_model
+
+    result = subprocess.run([sys.executable, "-c", LOSS_PARALLEL_TRACE], capture_output=True, text=True, timeout=100,
+                            env={**os.environ, "OMP_NUM_THREADS": "1"}, cwd=ROOT)
+    assert result.returncode == 0, result.stderr[-2000:]
+    tokens, vocab = 4096, 16384
+    peak = int(result.stdout.split()[-1])
+    config = Qwen2Config(vocab_size=vocab, hidden_size=64, intermediate_size=128, num_hidden_layers=1,
+                         num_attention_heads=4, num_key_value_heads=2)
+    act = activation_model(config, tp=2, loss_parallel=True)
+    # the fp32 logits shard itself, the planner's saved fp32 log-softmax and the fused backward's working set (the
+    # labels and the loss's scalars are the rest); with the phantoms counted the peak held 24 bytes per logit, not 20
+    expected = tokens * (4 * vocab // 2 + 4 * vocab // 2 + act.loss_working)
+    assert peak == pytest.approx(expected, rel=1e-3), (peak, expected)
+
+
+@pytest.mark.slow  # two dry runs of the tiny recipe
+@pytest.mark.timeout(240)
+def test_a_context_parallel_rank_is_traced_on_its_share_of_each_sequence() -> None:
+    """The dry run gives a rank its cp share of each sequence, as the strategy's batch_to_device does in Lightning's
+    loop: at cp=2 a rank's activations are about half of cp=1's and its planner's (it traced whole sequences before,
+    with the gathered K/V of two of them on top)."""
+    from dataclasses import replace
+
+    from lightning_hybrid.dryrun.cli import _check, role_pool
+    from lightning_hybrid.dryrun.compare import predict
+    from lightning_hybrid.dryrun.rank import run_rank
+    from lightning_hybrid.dryrun.recipe import load_job
+
+    base = replace(load_job(str(TINY)), seq_len=512, batch_size=2)
+    jobs = [base.with_strategy(tp=1, pp=1, dp=4, cp=1), base.with_strategy(tp=1, pp=1, dp=2, cp=2)]
+    with role_pool(2) as pool:
+        whole, split = pool.map(run_rank, jobs, [0, 0])
+    assert 0.4 < split.activation_peak / whole.activation_peak < 0.8, (split.activation_peak, whole.activation_peak)
+    options, dims, config, _ = _check(jobs[1])
+    planned = predict(jobs[1], config, dims, options, split, "h100", 80e9).figures["transient"]
+    traced = split.total_peak - sum(split.state.values())  # all but the model state, as the 72B checks compare
+    assert abs(traced / planned - 1) < 0.2, (traced, planned)

@@ -7,7 +7,7 @@ on 4 processes, 8 steps, async checkpoints every 2 steps; a run without faults i
 from __future__ import annotations
 
 import json
-import os
+import re
 import subprocess
 import sys
 import time
@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from helpers.compare import same_tensors
-from helpers.launch import TESTS, free_port, kill_process_group, launch, worker_env
+from helpers.launch import TESTS, free_port, kill_process_group, launch, leftover_processes, worker_env
 from lightning_hybrid.distributed.elastic import peer_failure, round_store_prefix
 from lightning_hybrid.distributed.heartbeat import (
     EXIT_CODE_HANG,
@@ -91,20 +91,6 @@ def _wait_for_port(port: int, seconds: float = 60) -> None:
         time.sleep(0.1)
 
 
-def _leftover_workers(out: Path) -> list[int]:
-    """Processes still alive that were started for ``out`` (their environment names it)."""
-    mark = f"OUT={out}".encode()
-    found = []
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit() and int(entry.name) != os.getpid():
-            try:
-                if mark in (entry / "environ").read_bytes().split(b"\0"):
-                    found.append(int(entry.name))
-            except OSError:
-                continue
-    return found
-
-
 def _losses(out: Path) -> list[dict]:
     return [json.loads(line) for line in (out / "losses.jsonl").read_text().splitlines()]
 
@@ -138,7 +124,7 @@ def _final(out: Path) -> dict:
 def _check_clean_success(out: Path, results: list[subprocess.CompletedProcess]) -> str:
     log = "\n".join(r.stdout for r in results)
     assert all(r.returncode == 0 for r in results), log[-6000:]
-    assert not _leftover_workers(out)
+    assert not leftover_processes(out)
     return log
 
 
@@ -149,7 +135,7 @@ def reference(tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("reference")
     variables = dict(HANG_TIMEOUT=8, SLOW_FIRST_STEP=12, VAL_BATCHES=2, VAL_SLEEP=5, VAL_AT=4)
     launch(4, [WORKER], timeout=400, env={**_worker_variables(out, variables), "NODE_TAG": "A"})
-    assert not _leftover_workers(out)
+    assert not leftover_processes(out)
     return out
 
 
@@ -171,6 +157,15 @@ def test_sigkill_mid_run_and_during_an_async_write_restart_in_job_to_bitwise_the
     results = _launch(tmp_path, max_restarts=2, HANG_TIMEOUT="none", FAULTS="0:5:1:kill,1:6:2:kill")
     log = _check_clean_success(tmp_path, results)
     assert "Connection refused" not in log
+    # What an operator reads: each surviving rank says in one line that it lost a peer (its rank, the step, what it
+    # was doing, the peer's address) and exits for the restart; no traceback (there were 3 per kill)
+    assert log.count("Traceback") == 0, log[-6000:]
+    lost = re.findall(r"^rank (\d): lost a peer in step (\d+) \((.+?)\): (.+?); exiting with code 1 so that the "
+                      r"launcher restarts the job", log, re.M)
+    assert sorted((rank, step) for rank, step, _, _ in lost) == [("0", "6"), ("0", "7"), ("1", "7"), ("2", "6"),
+                                                                 ("3", "6"), ("3", "7")], log[-6000:]
+    assert len([line for line in log.splitlines() if "lost a peer" in line]) == 6
+    assert any(re.fullmatch(r"the connection to the peer at 127\.0\.0\.1:\d+ closed", cause) for *_, cause in lost)
     assert _steps_by_round(tmp_path) == [[1, 2, 3, 4, 5], [5, 6], [5, 6, 7, 8]]
     final = _final(tmp_path)
     assert final["attempt"] == 2 and final["resumed_from"].endswith("step-000004")
@@ -317,7 +312,7 @@ def test_the_save_on_exception_is_skipped_only_when_the_process_group_is_broken(
         try:
             raise RuntimeError("pipeline step failed") from gone
         except RuntimeError as wrapped:
-            with caplog.at_level("WARNING", logger="lightning_hybrid.callbacks.fault_tolerant"):
+            with caplog.at_level("INFO", logger="lightning_hybrid.callbacks.fault_tolerant"):
                 checkpoint.on_exception(trainer, None, wrapped)
         assert calls == [] and "the process group is broken ([/__w/" in caplog.text, (calls, caplog.text)
         checkpoint.on_exception(trainer, None, ValueError("loss is nan"))  # every rank alive: the save is tried
@@ -357,7 +352,7 @@ def test_a_lost_node_shrinks_dp_and_training_finishes_on_the_survivors_with_the_
                              FAULTS="0:3:nodeB:node")
     assert node_a.returncode == 0, node_a.stdout[-6000:]
     assert node_b.returncode != 0  # killed with its workers
-    assert not _leftover_workers(tmp_path)
+    assert not leftover_processes(tmp_path)
     losses = _losses(tmp_path)
     assert {(d["attempt"], d["world"]) for d in losses} == {(0, 4), (1, 2)}
     assert [d["step"] for d in losses if d["attempt"] == 1] == [3, 4, 5, 6, 7, 8]

@@ -20,7 +20,7 @@ def two_process_runs(tmp_path_factory):
         {"name": "dp2_replicate", "tp": 1, "data_parallel": "replicate"},
         {"name": "tp2_sequence_parallel", "tp": 2, "sequence_parallel": True},
         {"name": "tp2_after_preflight", "tp": 2, "preflight": True},
-        {"name": "user_module_dp2", "module": "model_parallel_user", "tp": 1},
+        {"name": "user_module_dp2", "module": "model_parallel_user", "tp": 1, "dp": 2},  # sizes given: not bare
         {"name": "user_module_tp2", "module": "model_parallel_user", "tp": 2},
         # switches that must not change the math (recompute, compile) or only within bf16 rounding
         {"name": "tp2_full_recompute", "tp": 2, "activation_checkpointing": "full"},

@@ -106,9 +106,16 @@ def hf_scored(exported, folder, offline) -> tuple[dict, dict]:
     """The harness's own Hugging Face model (transformers) on the exported checkpoint."""
     from lm_eval.models.huggingface import HFLM
 
-    lm = HFLM(pretrained=str(exported), tokenizer=str(folder / "tokenizer"), device="cpu", dtype="float32",
-              batch_size=8, max_length=MAX_LENGTH)
-    return _harness(lm, folder)
+    # A one-device Trainer.fit earlier in this pytest process leaves Lightning's launcher variables behind
+    # (LOCAL_RANK=0, WORLD_SIZE=1, no RANK); accelerate, under HFLM, reads LOCAL_RANK as a torchrun worker's and calls
+    # init_process_group("env://"), which then fails for want of RANK. The harness's model runs as a plain process.
+    launcher = {key: os.environ.pop(key) for key in ("LOCAL_RANK", "WORLD_SIZE", "NODE_RANK") if key in os.environ}
+    try:
+        lm = HFLM(pretrained=str(exported), tokenizer=str(folder / "tokenizer"), device="cpu", dtype="float32",
+                  batch_size=8, max_length=MAX_LENGTH)
+        return _harness(lm, folder)
+    finally:
+        os.environ.update(launcher)
 
 
 @pytest.fixture(scope="module")

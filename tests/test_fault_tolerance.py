@@ -38,9 +38,10 @@ def _final(out: Path) -> dict:
 
 @pytest.fixture(scope="module")
 def baseline(tmp_path_factory) -> Path:
-    """tp=2 x pp=2, 8 steps (over an epoch boundary), async saves every 2 steps, weights recorded at each save."""
+    """tp=2 x pp=2, 8 steps (over an epoch boundary), async saves every 2 steps, weights recorded at each save; each
+    save's copy to host memory starts 1.5 s late, after the next step's forward and backward (as on a GPU)."""
     out = tmp_path_factory.mktemp("baseline")
-    _run(out, out / "ckpt", RECORD_WEIGHTS=1, KEEP=4)
+    _run(out, out / "ckpt", RECORD_WEIGHTS=1, KEEP=4, SLOW_STAGING=1.5)
     return out
 
 
@@ -55,6 +56,8 @@ def test_uninterrupted_run_commits_every_interval_and_keeps_the_newest(baseline)
 
 
 def test_each_async_checkpoint_holds_the_weights_of_its_own_step(baseline):
+    # The copy to host memory ends after the next step's backward (SLOW_STAGING): only the optimizer step's wait for
+    # it (FaultTolerantCheckpoint.on_before_optimizer_step) keeps the next step's weights out of checkpoints 4 and 6.
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint import FileSystemReader
 
@@ -208,14 +211,15 @@ def test_damaged_checkpoints_newer_than_the_chosen_one_are_set_aside_and_kept(da
     assert set_aside_newer(damaged, 4) == [] and find_resumable(damaged) == damaged / "step-000004"
 
 
-def test_a_checkpoint_of_another_model_is_refused_naming_both_configs(tmp_path):
+def test_a_checkpoint_of_another_model_is_refused_naming_its_run_and_the_differing_fields(tmp_path):
     saved = {"name": "tiny", "hidden_size": 64, "num_hidden_layers": 4}
-    current = {"name": "tiny-wide", "hidden_size": 128, "num_hidden_layers": 4}
+    current = {"name": "tiny", "hidden_size": 128, "num_hidden_layers": 4}  # one name, two models: told apart
     with pytest.raises(ValueError,
-                       match=r"is of another model \(tiny vs tiny-wide\): hidden_size: checkpoint 64 vs model 128; "
-                             r"load it into a model with the same config, or give this model another checkpoint "
-                             r"folder \(FaultTolerantCheckpoint dirpath\) or move .* away"):
-        check_model_config(saved, current, tmp_path / "step-000004")
+                       match=r"step-000004 \(run 0123abcd4567\) is of another model: hidden_size: checkpoint 64 vs "
+                             r"model 128; load it into a model with the same config, or give this model another "
+                             r"checkpoint folder \(FaultTolerantCheckpoint dirpath\) or move .* away"):
+        check_model_config(saved, current, tmp_path / "step-000004", "0123abcd4567")
+    check_model_config(saved, {**saved, "name": "tiny-renamed"}, tmp_path / "step-000004")  # a name alone: the same
 
 
 def test_a_signal_after_training_is_recorded_and_does_not_end_the_process(tmp_path):

@@ -14,11 +14,8 @@ from test_planner_published import load_benchmark
 from lightning_hybrid.planner.cli import run_plan
 from lightning_hybrid.planner.step_time import FLOAT8_GEMM_EFFICIENCY
 
-# Two rows without CP (Llama 3 8B, async TP, tensorwise +26%, rowwise +24%) inherit the +14% of the bf16 async-TP 8B
-# row, where the planner overrates torch's async TP at 8B: they are kept, and the largest error without CP is bounded
-# at 30%. torchtitan's 405B rows with CP 2/4/8 (64k-256k tokens) come out 25-56% fast: the planner's ring-attention
-# model, not float8 (attention is 40-73% of their FLOPs; CP 1 at 32k is within 1%); they count in the median.
-FLOAT8_MEDIAN, FLOAT8_MAX = 0.10, 0.30
+# Every float8 row, context parallel included (torch's ring per step, planner/context_parallel.py), within 20%.
+FLOAT8_MEDIAN, FLOAT8_MAX = 0.10, 0.20
 
 
 @pytest.fixture(scope="module")
@@ -30,8 +27,7 @@ def test_float8_rows_are_predicted_within_the_thresholds(bench):
     rows = bench.float8_table()
     assert len(rows) == len(bench.FLOAT8_RUNS) == 25
     assert bench.summary(rows)["median_abs_error"] <= FLOAT8_MEDIAN, bench.format_table(rows)
-    without_cp = [row for row, run in zip(rows, bench.FLOAT8_RUNS) if run.cp == 1]
-    assert len(without_cp) == 19 and bench.summary(without_cp)["max_abs_error"] <= FLOAT8_MAX, bench.format_table(rows)
+    assert bench.summary(rows)["max_abs_error"] <= FLOAT8_MAX, bench.format_table(rows)
     sources = {run.source.split(" ")[0] for run in bench.FLOAT8_RUNS}
     assert sources == {"pytorch/torchtitan", "NVIDIA-NeMo/Megatron-Bridge"}
     for run in bench.FLOAT8_RUNS:

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from helpers.hf_models import hf_logits, write_checkpoint
+from helpers.hf_models import hf_logits, offline_hub_cache, write_checkpoint
 from helpers.launch import TESTS, launch
 from lightning_hybrid.checkpoint.export import export_hf, export_main, parse_size
 from lightning_hybrid.hub import resolve_hf_path
@@ -154,16 +154,8 @@ def test_config_from_hf_reads_both_rope_layouts_and_refuses_unsupported_features
 
 
 def test_repo_id_resolves_from_the_offline_cache(folders, tmp_path, monkeypatch, inputs):
-    from huggingface_hub import constants
-
-    commit = "0123456789abcdef0123456789abcdef01234567"
-    repo = tmp_path / "models--org--tiny-qwen2"
-    shutil.copytree(folders["single"], repo / "snapshots" / commit)
-    (repo / "refs").mkdir()
-    (repo / "refs" / "main").write_text(commit)
-    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
-    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path))
-    assert resolve_hf_path("org/tiny-qwen2") == repo / "snapshots" / commit
+    snapshot = offline_hub_cache(folders["single"], tmp_path, monkeypatch, "org/tiny-qwen2")
+    assert resolve_hf_path("org/tiny-qwen2") == snapshot
     with torch.no_grad():
         torch.testing.assert_close(Qwen2.from_hf("org/tiny-qwen2")(inputs), hf_logits(folders["single"], inputs),
                                    rtol=1e-5, atol=1e-5)

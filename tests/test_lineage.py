@@ -70,15 +70,19 @@ def test_every_manifest_names_the_run_and_a_resume_keeps_it(shared):
     assert _steps(folder) == [12, 14, 16] and _run_ids(folder) == {run_id}
 
 
-def test_a_new_run_in_a_folder_of_another_run_refuses_in_one_line_before_training(shared):
+@pytest.mark.parametrize("auto_resume", [False, True])
+def test_a_new_run_in_a_folder_of_another_run_refuses_in_one_line_before_training(shared, auto_resume):
+    # Another model's checkpoints are another run's: auto-resume does not take them for its own (it used to, and then
+    # failed to load them, "another model (tiny vs tiny)").
     folder, run_id = shared
     before = _snapshot(folder)
     with pytest.raises(ForeignCheckpointsError) as caught:
-        _fit(folder, 12, auto_resume=False, hidden_size=128)
+        _fit(folder, 12, auto_resume=auto_resume, hidden_size=128)
     message = str(caught.value)
     assert "\n" not in message
     assert f"checkpoint folder {folder} holds checkpoints of another run (run {run_id}: model tiny-64 " \
-           f"(hidden_size=64, num_hidden_layers=4), newest step 12, 3 checkpoints)" in message
+           f"(hidden_size 64, this run's 128, intermediate_size 128, this run's 256), newest step 12, " \
+           f"3 checkpoints)" in message
     assert "Give this run another dirpath" in message and 'on_foreign="archive"' in message
     assert _snapshot(folder) == before and not list(folder.glob("step-*.tmp"))  # nothing trained, nothing written
 
@@ -90,6 +94,15 @@ def test_the_refusal_is_known_before_launch_from_the_manifests(shared):
     FaultTolerantCheckpoint(folder, every_n_steps=2).check_lineage()  # auto-resume continues run A: fine
     check_folder(folder, folder / "step-000010", auto_resume=False)  # resuming A from its own checkpoint: fine
     FaultTolerantCheckpoint(folder, every_n_steps=2, auto_resume=False, on_foreign="archive").check_lineage()
+    # under auto-resume, a model of another shape is another run: refused naming the run and how the models differ
+    wide = tiny_config(hidden_size=128, intermediate_size=256, name="tiny-64").to_dict()  # the same name, even
+    with pytest.raises(ForeignCheckpointsError, match=rf"run {run_id}: model tiny-64 \(hidden_size 64, this run's "
+                                                      rf"128, intermediate_size 128, this run's 256\), newest step 12"):
+        FaultTolerantCheckpoint(folder, every_n_steps=2).check_lineage(model_config=wide)
+    FaultTolerantCheckpoint(folder, every_n_steps=2, on_foreign="archive").check_lineage(model_config=wide)
+    with pytest.raises(ValueError, match=rf"^checkpoint {folder / 'step-000010'} \(run {run_id}\) is of another "
+                                         rf"model: hidden_size: checkpoint 64 vs model 128, intermediate_size: "):
+        check_folder(folder, folder / "step-000010", auto_resume=True, current=wide, refuse=False)
     with pytest.raises(ValueError, match=r"on_foreign='delete'; use one of 'refuse', 'archive'"):
         FaultTolerantCheckpoint(folder, every_n_steps=2, on_foreign="delete")
 
@@ -97,8 +110,10 @@ def test_the_refusal_is_known_before_launch_from_the_manifests(shared):
 def test_archive_moves_the_other_run_aside_and_each_lineage_resumes_on_its_own(shared):
     folder, run_a_id = shared
     before = _snapshot(folder)
-    # run B: a wider model, a new run, into the same folder; it saves steps 2..10, retention keeps 3 of its own
-    b, _ = _fit(folder, 10, auto_resume=False, hidden_size=128, on_foreign="archive")
+    # run B: a wider model into the same folder, under auto-resume (the default), which does not take A's
+    # checkpoints for B's: a new run; A's are archived; it saves steps 2..10, retention keeps 3 of its own
+    b, _ = _fit(folder, 10, hidden_size=128, on_foreign="archive")
+    assert b.resumed_from is None
     archive = folder / f"archived-{run_a_id}"
     assert _snapshot(archive) == before  # run A's checkpoints all moved, none deleted or changed
     assert _steps(folder) == [6, 8, 10] and _run_ids(folder) == {b.lineage.run_id} != {run_a_id}
@@ -147,3 +162,41 @@ def test_resuming_an_unlabelled_checkpoint_adopts_the_unlabelled_ones(tmp_path):
     check_folder(tmp_path, None, auto_resume=True)
     with pytest.raises(ForeignCheckpointsError, match="run without run id"):
         check_folder(tmp_path, None, auto_resume=False)
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("on_foreign", ["refuse", "archive"])
+def test_workers_started_from_python_refuse_once_in_one_line_or_archive_under_auto_resume(shared, tmp_path,
+                                                                                         on_foreign):
+    """Two ranks of a script that calls ``trainer.fit`` (no CLI to refuse before launch), auto-resume on, in run A's
+    folder with another model (intermediate_size 176, A's 128). ``refuse``: in the workers, before the model is
+    built: global rank 0 prints the refusal once, as one line, every rank exits with 2, no traceback (it used to be
+    a load error in every worker, "tiny vs tiny", 5 tracebacks). ``archive``: A's checkpoints are moved aside and
+    the run starts fresh."""
+    import json
+    import re
+
+    from helpers.launch import TESTS, launch
+
+    folder, run_id = shared
+    before = _snapshot(folder)
+    result = launch(2, [str(TESTS / "lineage_worker.py")], timeout=300, check=False, keep_going=True,
+                    env={"CKPT": str(folder), "ON_FOREIGN": on_foreign, "OUT": str(tmp_path)})
+    output = result.stdout + result.stderr
+    assert "Traceback" not in output, output[-4000:]
+    if on_foreign == "refuse":
+        codes = sorted(re.findall(r"\[fork launcher\] rank (\d) exited with (-?\d+)", output))
+        assert codes == [("0", "2"), ("1", "2")], output[-4000:]
+        errors = [line for line in output.splitlines() if "holds checkpoints of another run" in line]
+        assert errors == [f"lightning-hybrid: error: checkpoint folder {folder} holds checkpoints of another run "
+                          f"(run {run_id}: model tiny-64 (intermediate_size 128, this run's 176), newest step 12, "
+                          f"3 checkpoints); this new run would mix its history into theirs. Give this run another "
+                          f"dirpath, or pass FaultTolerantCheckpoint(..., on_foreign=\"archive\") to move the other "
+                          f"run's checkpoints into {folder}/archived-<run_id>/ (nothing is deleted)"], errors
+        assert _snapshot(folder) == before and not list(folder.glob("step-*.tmp"))
+        return
+    assert result.returncode == 0, output[-4000:]
+    done = json.loads((tmp_path / "done.json").read_text())
+    assert done["resumed_from"] == "None" and done["run_id"] != run_id  # a fresh run, not a resume of A
+    assert _snapshot(folder / f"archived-{run_id}") == before
+    assert _steps(folder) == [1, 2] and _run_ids(folder) == {done["run_id"]}

@@ -9,13 +9,12 @@ in ``tests/test_equivalence_families.py``.
 from __future__ import annotations
 
 import json
-import shutil
 from pathlib import Path
 
 import pytest
 import torch
 
-from helpers.hf_models import CASES, hf_logits, save_hf_model, write_checkpoint
+from helpers.hf_models import CASES, hf_logits, offline_hub_cache, save_hf_model, train_steps, write_checkpoint
 from lightning_hybrid.checkpoint.export import export_main
 from lightning_hybrid.models import CausalLM, Decoder, DecoderConfig, from_hf
 from lightning_hybrid.models.decoder.config import RopeScaling, flops_per_token
@@ -129,13 +128,7 @@ def test_rope_scaling_frequencies_equal_transformers_at_published_sizes(rope, he
 @pytest.mark.parametrize("case", ["llama", "qwen3", "qwen3-tied", "mistral", "qwen2-yarn"])
 def test_export_of_a_trained_checkpoint_loads_in_transformers_with_equal_logits(folders, inputs, tmp_path, case):
     model = from_hf(str(folders[case]))
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    tokens = torch.randint(0, 256, (4, SEQ + 1), generator=torch.Generator().manual_seed(5))
-    for _ in range(2):
-        total, count = model.loss_sum(model(tokens[:, :-1]), tokens[:, 1:])
-        (total / count).backward()
-        optimizer.step()
-        optimizer.zero_grad()
+    train_steps(model, SEQ)
     with torch.no_grad():
         trained = model(inputs)
     assert _relative(trained, hf_logits(folders[case], inputs)) > 1e-3  # the steps moved the model
@@ -162,17 +155,9 @@ def test_causal_lm_builds_the_family_of_a_config_json_and_loads_its_weights(fold
 
 
 def test_a_repo_id_is_resolved_to_its_config_from_the_offline_cache(folders, tmp_path, monkeypatch):
-    from huggingface_hub import constants
-
-    commit = "0123456789abcdef0123456789abcdef01234567"
-    repo = tmp_path / "models--org--tiny-llama"
-    shutil.copytree(folders["llama"], repo / "snapshots" / commit)
-    (repo / "refs").mkdir()
-    (repo / "refs" / "main").write_text(commit)
-    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
-    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path))
-    assert CausalLM("org/tiny-llama").config == DecoderConfig.from_hf(folders["llama"]).__class__.from_dict(
-        {**DecoderConfig.from_hf(folders["llama"]).to_dict(), "name": "org/tiny-llama"})
+    offline_hub_cache(folders["llama"], tmp_path, monkeypatch, "org/tiny-llama")
+    expected = DecoderConfig.from_dict({**DecoderConfig.from_hf(folders["llama"]).to_dict(), "name": "org/tiny-llama"})
+    assert CausalLM("org/tiny-llama").config == expected
 
 
 def _write_config(folder: Path, values: dict) -> Path:

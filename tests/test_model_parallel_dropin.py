@@ -14,12 +14,14 @@ from __future__ import annotations
 
 import json
 import math
+from typing import Optional
 from unittest.mock import Mock
 
 import lightning as L
 import pytest
 import torch
 
+from helpers.compare import TOL
 from helpers.launch import TESTS, launch
 from lightning_hybrid import HybridParallelStrategy
 from lightning_hybrid.data.sampler import batch_size_of
@@ -42,10 +44,12 @@ class SelfParallelizing(L.LightningModule):
         pass
 
 
-def validated(devices: int = 4, nodes: int = 1, **kwargs) -> HybridParallelStrategy:
-    """The strategy after its setup-time checks (no process group), for ``devices`` per node on ``nodes``."""
+def validated(devices: int = 4, nodes: int = 1, module: Optional[L.LightningModule] = None,
+              **kwargs) -> HybridParallelStrategy:
+    """The strategy after its setup-time checks (no process group), for ``devices`` per node on ``nodes``, with
+    ``module`` (default: one that parallelizes itself)."""
     strategy = HybridParallelStrategy(**kwargs)
-    strategy._lightning_module = SelfParallelizing()
+    strategy._lightning_module = module if module is not None else SelfParallelizing()
     strategy._parallel_devices = [torch.device("cpu")] * devices
     strategy.num_nodes = nodes
     strategy._validate()
@@ -81,12 +85,39 @@ def test_a_size_given_twice_differently_or_invalid_is_refused_on_construction(kw
     (4, 2, {"data_parallel_size": "auto", "tensor_parallel_size": "auto"}, (4, 2)),
     (4, 2, {"tensor_parallel_size": "auto"}, (4, 2)),             # dp inferred
     (4, 2, {"tp": 4, "tensor_parallel_size": "auto"}, (4, 2)),    # agrees with "auto"
-    # the bare defaults differ from ModelParallelStrategy(): tp=1, dp = the world
-    (4, 2, {}, (1, 8)),
+    # no size given: ModelParallelStrategy()'s mesh for a module that parallelizes itself
+    (4, 2, {}, (4, 2)),
+    (4, 1, {}, (4, 1)),
+    (4, 2, {"dp": 8}, (1, 8)),                                    # pure data parallelism when asked for
+    (4, 2, {"tp": 2}, (2, 4)),                                    # a size given: nothing is "auto"
 ])
 def test_auto_resolves_at_setup_as_lightning_does(devices, nodes, kwargs, tp_dp):
     dims = validated(devices, nodes, **kwargs).dims
     assert (dims.tp, dims.dp) == tp_dp
+
+
+def test_a_bare_strategy_says_once_which_mesh_it_chose_for_each_kind_of_module(caplog):
+    from lightning_hybrid.models import CausalLM
+
+    with caplog.at_level("INFO"):
+        self_parallel = validated(4, 2)
+    lines = [r.getMessage() for r in caplog.records if "without sizes" in r.getMessage()]
+    assert lines == ["HybridParallelStrategy() without sizes, for a module that parallelizes itself: "
+                     "ModelParallelStrategy's default mesh, tensor_parallel=4 (the devices of a node) x "
+                     "data_parallel=2 (the nodes); give dp/tp (or data_parallel_size/tensor_parallel_size) for "
+                     "another"], lines
+    assert (self_parallel.dims.tp, self_parallel.dims.dp) == (4, 2)
+    caplog.clear()
+    with caplog.at_level("INFO"):
+        declared = validated(4, 2, module=CausalLM("tiny"))  # the documented default stays: tp=1, dp = the world
+    assert (declared.dims.tp, declared.dims.pp, declared.dims.dp) == (1, 1, 8)
+    lines = [r.getMessage() for r in caplog.records if "without sizes" in r.getMessage()]
+    assert lines == ["HybridParallelStrategy() without sizes, for a declared model: tp=1, pp=1, dp=8 (fsdp over "
+                     "every rank); give tp/pp (or 'auto' to plan them) for another"], lines
+    caplog.clear()
+    with caplog.at_level("INFO"):
+        validated(4, 2, tp=2)
+    assert not [r for r in caplog.records if "without sizes" in r.getMessage()]
 
 
 def test_auto_that_disagrees_with_a_given_size_is_refused_at_setup():
@@ -174,7 +205,7 @@ def test_a_self_parallelizing_module_gets_lightnings_2d_mesh(runs):
 
 @distributed
 @pytest.mark.parametrize("name, dp, tp", [("lightning_1x4", 1, 4), ("lightning_4x1", 4, 1), ("lightning_auto", 1, 4),
-                                          ("bare", 4, 1), ("ours_tp2", 2, 2), ("tp4_and_auto", 1, 4)])
+                                          ("bare", 1, 4), ("ours_tp2", 2, 2), ("tp4_and_auto", 1, 4)])
 def test_positional_mesh_access_reads_dp_then_tp(runs, name, dp, tp):
     for rank, record in enumerate(runs["mesh_sizes"]):
         mesh = record[name]
@@ -207,21 +238,25 @@ def same_across(batches: list[list[float]], ranks: list[int]) -> bool:
 
 
 @distributed
-def test_tensor_parallel_with_lightnings_default_sizes(runs):
-    """ModelParallelStrategy()'s sizes, asked for by name: tp = the node's 4 devices, dp = 1 node."""
-    for record in runs["tensor_parallel_auto"]:
-        assert record["meta_before_setup"] and record["steps"] == 2
-        assert record["mesh"]["shape"] == [1, 4]
-        start = record["start"]
+@pytest.mark.parametrize("compile", [False, True])
+def test_tensor_parallel_under_a_bare_strategy_gets_lightnings_default_mesh(runs, compile):
+    """Code written for ``ModelParallelStrategy()``, given ``HybridParallelStrategy()``: tp = the node's 4 devices,
+    dp = 1 node (not dp=4 with whole weights on every rank); TP only, every rank sees the same data."""
+    for record in runs["tensor_parallel_bare"]:
+        facts = record[f"compile={compile}"]
+        assert facts["meta_before_setup"] and facts["steps"] == 2
+        assert facts["mesh"]["shape"] == [1, 4]
+        assert facts["compiled"] == ("OptimizedModule" if compile else "FeedForward")
+        start = facts["start"]
         assert start["all_dtensor"] and start["optimizer_holds_them"] and start["on_tp_mesh"]
         assert start["meshes"] == [[1, [4], ["tensor_parallel"]]] and start["devices"] == ["cpu"]
         assert start["distributed_sampler"] and start["len"] == 8 // start["batch_size"]   # no data sharding
-        assert len(record["batches"]) == 2
-        assert all(same_across(step, FULL_WORLD) for step in record["batches"])
+        assert len(facts["batches"]) == 2
+        assert all(same_across(step, FULL_WORLD) for step in facts["batches"])
 
 
 @distributed
-@pytest.mark.parametrize("name, dp, replicated", [("bare", 4, 6), ("tp2", 2, 6)])
+@pytest.mark.parametrize("name, dp, replicated", [("dp4", 4, 6), ("tp2", 2, 6)])
 def test_a_module_that_applies_only_tp_trains_equal_replicas_over_dp(runs, name, dp, replicated):
     """Nothing of the module synchronizes its dp replicas; the strategy replicates its parameters (broadcast, then
     gradients averaged over dp): after 4 steps on different data, every rank holds rank 0's weights."""
@@ -328,3 +363,125 @@ def test_a_module_whose_batches_are_strings_trains(runs):
         # the data position counts in the DataLoader's batch size: 2 steps x 2 per rank x dp 2
         assert record["per_rank_batch_size"] == 2
         assert record["position"]["samples_in_epoch"] == 8 and record["position"]["global_batch"] == 4
+
+
+@distributed
+def test_a_branch_one_dp_rank_skips_trains_like_one_process_over_the_global_batch(runs):
+    """A self-parallelizing module whose adapter only some samples use, on dp=2 x tp=2 for 4 steps: in step 1 only dp
+    rank 0's batch uses it, in step 2 only rank 1's, in step 3 neither, in step 4 both. The rank without a gradient
+    takes part in the replicas' all-reduce with zeros (it used to reduce a shorter buffer: gloo aborted with
+    "Received data size doesn't match expected size"); a step no rank used it leaves it untouched, as one process
+    over the global batch does (AdamW skips a parameter without gradient; weight decay would move a zero one)."""
+    from dropin_worker import (
+        BRANCH_DP,
+        BRANCH_PER_RANK,
+        BRANCH_STEPS,
+        BranchFeedForward,
+        branch_loss,
+        branch_optimizer,
+        branch_samples,
+    )
+
+    records = runs["unused_branch"]
+    for record in records:
+        assert record["steps"] == BRANCH_STEPS and (record["dp"], record["tp"]) == (2, 2)
+        assert record["replicated"] == 8  # gate, up, down (TP shards over tp only) and the adapter: weight and bias
+        assert record["difference_to_rank0"] == 0.0  # the replicas are bitwise equal
+    reference = BranchFeedForward()
+    reference.load_state_dict({k: torch.tensor(v) for k, v in records[0]["start"].items()})
+    optimizer = branch_optimizer(reference.parameters())
+    samples, global_batch = branch_samples(), BRANCH_DP * BRANCH_PER_RANK
+    adapter_moved = []
+    for step in range(BRANCH_STEPS):
+        before = reference.adapter.weight.detach().clone()
+        branch_loss(reference, samples[step * global_batch:(step + 1) * global_batch]).backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        adapter_moved.append(not torch.equal(before, reference.adapter.weight))
+    assert adapter_moved == [True, True, False, True]  # the reference itself: the adapter rests in step 3
+    final = {k: torch.tensor(v) for k, v in records[0]["final"].items()}
+    expected = {name: param.detach() for name, param in reference.named_parameters()}
+    assert final.keys() == expected.keys()
+    for names in (list(expected), ["adapter.weight", "adapter.bias"]):  # the whole model, and the adapter alone
+        diff = torch.cat([(final[k] - expected[k]).flatten() for k in names])
+        assert float(diff.norm() / torch.cat([expected[k].flatten() for k in names]).norm()) < TOL, names
+
+
+# ------------------------------------------------------------------------------------------------ more of Lightning's
+# unit scenarios, in process: what a self-parallelizing module meets in setup, saving and loading
+
+def _set_up(module: L.LightningModule, **kwargs) -> HybridParallelStrategy:
+    """``setup`` of the strategy for ``module`` on one CPU, without a Trainer or a process group (sizes unresolved:
+    nothing is replicated)."""
+    strategy = HybridParallelStrategy(**kwargs)
+    strategy.model = strategy._lightning_module = module
+    strategy._accelerator = Mock()
+    strategy._parallel_devices = [torch.device("cpu")]
+    strategy.setup(Mock())
+    return strategy
+
+
+def test_a_module_wrapped_in_the_legacy_fsdp_is_refused():
+    from torch.distributed.fsdp import FullyShardedDataParallel
+
+    module = SelfParallelizing()
+    module.modules = Mock(return_value=[Mock(spec=FullyShardedDataParallel)])
+    with pytest.raises(TypeError, match="only supports the new FSDP2 APIs"):
+        _set_up(module)
+
+
+def test_meta_device_weights_are_materialized_by_reset_parameters_and_a_module_without_it_is_named():
+    class Ones(torch.nn.Module):  # no reset_parameters(): left uninitialized, and named in a warning
+        def __init__(self) -> None:
+            super().__init__()
+            self.weight = torch.nn.Parameter(torch.ones(4, 4))
+
+    class Module(SelfParallelizing):
+        def __init__(self) -> None:
+            super().__init__()
+            self.block = torch.nn.Sequential(Ones(), Ones())
+            self.register_buffer("scale", torch.rand(2))
+
+        def reset_parameters(self) -> None:
+            self.scale.fill_(1.0)
+
+    with torch.device("meta"):
+        module = Module()
+    assert module.layer.weight.is_meta and module.block[0].weight.is_meta and module.scale.is_meta
+    with pytest.warns(UserWarning, match=r"`reset_parameters\(\)` method for re-initialization: Ones"):
+        _set_up(module)
+    assert not any(t.is_meta for t in [*module.parameters(), *module.buffers()])
+
+
+def test_a_full_checkpoint_never_replaces_a_folder_that_is_not_a_checkpoint(tmp_path, monkeypatch):
+    strategy = HybridParallelStrategy(save_distributed_checkpoint=False)
+    monkeypatch.setattr(HybridParallelStrategy, "broadcast", lambda self, obj, src=0: obj)
+    strategy._lightning_module = SelfParallelizing()
+    folder = tmp_path / "not-a-checkpoint"
+    folder.mkdir()
+    (folder / "notes.txt").write_text("mine")
+    with pytest.raises(IsADirectoryError, match="exists and is a directory"):
+        strategy.save_checkpoint({"state_dict": {}}, filepath=folder)
+    assert (folder / "notes.txt").read_text() == "mine"
+
+
+def test_a_module_built_in_the_init_context_trains_in_the_precision_asked_for(tmp_path):
+    class Module(SelfParallelizing):
+        def training_step(self, batch, batch_idx):
+            self.seen = (self.layer.weight.dtype, self.layer.weight.device.type)
+            return self.layer(batch).float().sum()
+
+        def train_dataloader(self):
+            return torch.utils.data.DataLoader(torch.randn(4, 4), batch_size=2)
+
+        def configure_optimizers(self):
+            return torch.optim.SGD(self.parameters(), lr=0.1)
+
+    trainer = L.Trainer(strategy=HybridParallelStrategy(), accelerator="cpu", devices=1, precision="bf16-true",
+                        max_steps=1, logger=False, enable_checkpointing=False, enable_progress_bar=False,
+                        enable_model_summary=False, default_root_dir=tmp_path)
+    with trainer.init_module(empty_init=True):
+        module = Module()
+    assert module.layer.weight.is_meta and module.layer.weight.dtype == torch.bfloat16
+    trainer.fit(module)
+    assert module.seen == (torch.bfloat16, "cpu") and trainer.global_step == 1

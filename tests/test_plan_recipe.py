@@ -103,7 +103,7 @@ def test_plan_config_follows_the_recipes_runtime_options(tmp_path, capsys):
                                                    fsdp_reshard_after_forward=True, bf16_compute_weights=False)
     off_recipe = tmp_path / "off.yaml"
     off_recipe.write_text(yaml.safe_dump(doc))
-    _, off = _plan_json(capsys, str(off_recipe), "--gpu", "b300")
+    _, off = _plan_json(capsys, str(off_recipe), "--gpu", "b300", "--no-fused-projections")
     assert not any(off["runtime"].values())
     assert off["recipe"]["time_s"]["step"] > on["recipe"]["time_s"]["step"]
 
@@ -128,3 +128,32 @@ def test_plan_explain_without_config_lists_the_runtime_features(capsys):
 def test_plan_config_bad_recipe_is_one_line(tmp_path, capsys):
     assert run_plan(["--config", str(tmp_path / "missing.yaml")]) == 2
     assert capsys.readouterr().err.strip().endswith("missing.yaml: no such file")
+
+
+def test_a_flag_beside_config_replaces_the_recipes_value_and_the_plan_says_where_each_value_came_from(capsys):
+    recipe = str(RECIPES / "qwen2.5-72b-pretrain.yaml")
+    _, doc = _plan_json(capsys, recipe, "--float8", "rowwise", "--seq-len", "2048", "--gpu-memory-gb", "400")
+    assert doc["runtime"]["float8 (rowwise)"] and doc["seq_len"] == 2048
+    assert doc["sources"]["float8"] == {"value": "rowwise", "from": "--float8; the recipe's: none"}
+    assert doc["sources"]["seq_len"] == {"value": 2048, "from": "--seq-len; the recipe's: 4096"}
+    assert doc["sources"]["model"] == {"value": "qwen2.5-72b", "from": "recipe model.model"}
+    assert doc["sources"]["gpu_memory_gb"] == {"value": 400.0, "from": "--gpu-memory-gb; no recipe value"}
+    assert doc["recipe"]["usable_gb"] == pytest.approx((400 - 4) * 0.95)  # the hardware flag applies to the recipe
+    # a float8 recipe planned without float8, in the text report
+    assert run_plan(["--config", str(RECIPES / "qwen2.5-72b-pretrain-fp8.yaml"), "--float8", "none"]) == 0
+    out = capsys.readouterr().out
+    assert "float8 none (--float8; the recipe's: mxfp8)" in out and "float8 (None) off" in out
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--gpus", "64"], "--gpus 64 cannot apply with --config: the recipe's trainer.devices x trainer.num_nodes set"),
+    (["--gpus-per-node", "4"], "--gpus-per-node 4 cannot apply with --config"),
+    (["--top", "3"], "--top 3 cannot apply with --config"),
+    (["--explain", "8,1,fsdp"], "--explain 8,1,fsdp cannot apply with --config"),
+    (["--global-batch", "100"], "--global-batch 100 does not split into the recipe's dp=8 x 128 micro-batches"),
+    (["--seq-len", "0"], "--seq-len=0 must be positive"),
+])
+def test_a_flag_that_cannot_apply_beside_config_is_a_one_line_error(flags, message, capsys):
+    assert run_plan(["--config", str(RECIPES / "qwen2.5-72b-pretrain.yaml"), *flags]) == 2
+    captured = capsys.readouterr()
+    assert not captured.out and len(captured.err.strip().splitlines()) == 1 and message in captured.err, captured.err

@@ -190,7 +190,8 @@ def _meta_rank_numel(config, tp, pp, dp, mode, coords, v=1, schedule="1f1b") -> 
     return total, len(params)
 
 
-@pytest.mark.parametrize("config", [Qwen2Config.from_preset("tiny"), ODD], ids=["tiny", "odd"])
+@pytest.mark.parametrize("config", [Qwen2Config.from_preset("tiny"), ODD, Qwen2Config.from_preset("tiny-qwen3")],
+                         ids=["tiny", "odd", "tiny-qwen3"])
 @pytest.mark.parametrize("tp, pp, dp, mode, v", [
     (1, 1, 1, "fsdp", 1), (2, 1, 3, "fsdp", 1), (4, 1, 2, "replicate", 1), (4, 1, 5, "fsdp", 1),
     (2, 2, 2, "fsdp", 1), (1, 3, 4, "fsdp", 1), (2, 2, 1, "fsdp", 2), (1, 2, 3, "replicate", 2),

@@ -149,7 +149,8 @@ def callback(config: dict[str, Any], name: str) -> Optional[dict[str, Any]]:
 def test_the_recipes_folder_has_the_documented_recipes():
     names = {p.name for p in RECIPES}
     assert {"tiny-cpu.yaml", "qwen2.5-72b-pretrain.yaml", "qwen2.5-72b-sft.yaml", "qwen2.5-7b.yaml",
-            "qwen2.5-72b-sft-h100.yaml", "qwen2.5-72b-auto.yaml"} <= names
+            "qwen2.5-72b-sft-h100.yaml", "qwen2.5-72b-auto.yaml", "llama3.1-70b-pretrain.yaml",
+            "qwen3-32b-sft.yaml"} <= names
 
 
 @pytest.mark.parametrize("recipe", RECIPES, ids=recipe_id)
@@ -216,7 +217,10 @@ def test_planner_says_the_recipe_layout_fits(recipe):
     assert result.time["step"] > 0 and 0 < result.mfu < 1
 
 
-@pytest.mark.parametrize("recipe", [r for r in RECIPES if r.name.startswith("qwen")], ids=recipe_id)
+LARGE = [r for r in RECIPES if r.name.startswith(("qwen", "llama"))]
+
+
+@pytest.mark.parametrize("recipe", LARGE, ids=recipe_id)
 def test_checkpoint_interval_of_a_large_recipe_follows_the_planners_young_daly_estimate(recipe):
     from lightning_hybrid.planner.interval import checkpoint_plan
     from lightning_hybrid.planner.search import estimate
@@ -253,7 +257,7 @@ def test_auto_recipe_prints_auto_and_resolves_as_its_header_says():
                                  str(r["virtual_stages"]), str(r["microbatches"])), (line, r)
 
 
-@pytest.mark.parametrize("recipe", [r for r in RECIPES if r.name.startswith("qwen")], ids=recipe_id)
+@pytest.mark.parametrize("recipe", LARGE, ids=recipe_id)
 def test_every_key_of_a_large_recipe_is_commented(recipe):
     uncommented = []
     lines = recipe.read_text().splitlines()
@@ -271,6 +275,23 @@ def test_every_key_of_a_large_recipe_is_commented(recipe):
         if "#" not in line and not previous.startswith("#"):
             uncommented.append(f"line {i + 1}: {stripped}")
     assert not uncommented, f"{recipe.name}: keys without a comment:\n" + "\n".join(uncommented)
+
+
+@pytest.mark.parametrize("recipe, family, data", [("llama3.1-70b-pretrain.yaml", "llama", "PackedTokenDataModule"),
+                                                  ("qwen3-32b-sft.yaml", "qwen3", "PackedTokenDataModule")])
+def test_family_recipes_train_their_family_and_the_sft_one_masks_documents(recipe, family, data):
+    from lightning_hybrid.models import DecoderConfig
+
+    config = printed_config(REPO / "recipes" / recipe)
+    model = DecoderConfig.resolve(config["model"]["model"])
+    assert model.model_type == family and config["data"]["class_path"].endswith(data)
+    problem, _ = planner_problem(REPO / "recipes" / recipe)
+    assert problem.config == model  # the planner was asked about this family's preset
+    if "sft" in recipe:
+        assert config["data"]["init_args"]["document_mask"] is True
+        assert config["model"]["init_from_hf"] == "Qwen/Qwen3-32B"
+    else:
+        assert model.rope_scaling is not None and model.rope_scaling.rope_type == "llama3"
 
 
 def test_sft_recipe_starts_from_the_released_base_weights_with_qwen25_sft_hyperparameters():

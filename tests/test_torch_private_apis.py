@@ -24,8 +24,18 @@ Wrappers (in ``lightning_hybrid.distributed``) and the private APIs they use:
   counts the epoch's batches) and its state-dict key ``epoch_loop.batch_progress``;
 - ``checkpoint.storage.storage_writer`` / ``storage_reader``: ``torch.distributed.checkpoint._fsspec_filesystem``'s
   ``FsspecWriter`` and ``FsspecReader`` (a path and fsspec's storage options as keywords);
+- ``checkpoint.staging.tie_writer_to_parent``: ``torch.distributed.checkpoint._async_process_executor``'s
+  ``_AsyncCheckpointProcess._checkpointing_subprocess`` (a static method of ``(pg_init_info, parent_conn)``, the
+  target of the writer daemon that ``__init__`` spawns);
 - ``lightning_hybrid.distributed.auto_layout._data``: Lightning's ``trainer.fit_loop._data_source.instance`` (the
   DataLoader given to ``fit``, before Lightning sets it up), read by the auto layout.
+
+- ``expert_parallel._recomputing`` and ``models.decoder.moe._in_backward``: ``torch._C._current_graph_task_id``
+  (-1 outside a backward pass);
+- ``expert_parallel.AllToAllDispatch``: ``torch.distributed._functional_collectives.all_to_all_single_autograd``
+  (differentiable, split sizes; the same op that ``activation_checkpoint._saved_ops`` keeps);
+- ``expert_parallel.shard_experts``: FSDP2 dividing a one-rank group's gradients twice when the sum reduction is
+  forced with a divide factor (the reason it is forced only on larger groups).
 
 Wrappers in ``lightning_hybrid.dryrun`` (the dry run on the fake process group):
 
@@ -70,6 +80,11 @@ RESTORE_COUNTERS = "lightning_hybrid.callbacks.rollback._restore_counters"
 REWIND = "lightning_hybrid.callbacks.rollback._rewind"
 FSSPEC_WRITER = "lightning_hybrid.checkpoint.storage.storage_writer"
 FORGET_STAGE_SHAPES = "lightning_hybrid.distributed.pipeline.runner.forget_stage_shapes"
+WRITER_DAEMON = "lightning_hybrid.checkpoint.staging.tie_writer_to_parent"
+RECOMPUTING = "lightning_hybrid.distributed.expert_parallel._recomputing"
+IN_BACKWARD = "lightning_hybrid.models.decoder.moe._in_backward"
+ALL_TO_ALL = "lightning_hybrid.distributed.expert_parallel.AllToAllDispatch"
+SHARD_EXPERTS = "lightning_hybrid.distributed.expert_parallel.shard_experts"
 
 
 def broken(wrapper: str, what: str) -> str:
@@ -528,3 +543,70 @@ def test_dcp_fsspec_writer_and_reader_take_a_path_and_storage_options(tmp_path):
         loaded = {"w": torch.zeros(4)}
         dcp.load(loaded, storage_reader=reader(url, auto_mkdir=True), no_dist=True)
     assert torch.equal(loaded["w"], torch.arange(4.0))
+
+
+# ---------------------------------------------------------------------------------- the process writer's daemon
+
+
+def test_the_process_writer_daemon_is_spawned_with_a_static_target_of_two_arguments():
+    from lightning_hybrid.checkpoint import staging
+
+    process = private("torch.distributed.checkpoint._async_process_executor", "_AsyncCheckpointProcess",
+                      WRITER_DAEMON)
+    target = inspect.getattr_static(process, "_checkpointing_subprocess")
+    assert isinstance(target, staticmethod), broken(WRITER_DAEMON, "_checkpointing_subprocess is no static method")
+    original = staging._TORCH_WRITER_DAEMON.get("target", target.__func__)  # this process may have tied it already
+    takes(original, ["pg_init_info", "parent_conn"], WRITER_DAEMON)
+    spawned = inspect.getsource(process.__init__)
+    assert "target=self._checkpointing_subprocess" in spawned, broken(WRITER_DAEMON, "the daemon's target changed")
+
+
+# ---------------------------------------------------------------------------------- mixture of experts
+
+def test_the_graph_task_id_tells_a_recompute_inside_backward_from_a_forward():
+    private("torch._C", "_current_graph_task_id", RECOMPUTING)
+    inside = []
+    for dotted in (RECOMPUTING, IN_BACKWARD):
+        check = wrapper_function(dotted)
+        x = torch.ones(2, requires_grad=True)
+        y = x * 2
+        y.register_hook(lambda grad, check=check: inside.append(check()) or grad)
+        with blame(dotted):
+            assert check() is False, broken(dotted, "a plain forward counts as inside a backward")
+            y.sum().backward()
+    assert inside == [True, True], broken(RECOMPUTING, f"inside a backward pass: {inside}")
+
+
+def test_the_differentiable_all_to_all_takes_split_sizes_and_sends_gradients_back(gloo_world):
+    from torch.distributed._functional_collectives import all_to_all_single_autograd
+
+    wrapper_function(ALL_TO_ALL)
+    takes(all_to_all_single_autograd, ["output_split_sizes", "input_split_sizes", "group"], ALL_TO_ALL)
+    x = torch.arange(3.0, requires_grad=True)
+    with blame(ALL_TO_ALL):
+        out = all_to_all_single_autograd(x, [3], [3], dist.group.WORLD)
+        (out * torch.tensor([1.0, 2.0, 3.0])).sum().backward()
+    assert torch.equal(out.detach(), torch.arange(3.0)) and torch.equal(x.grad, torch.tensor([1.0, 2.0, 3.0]))
+    assert torch.ops._c10d_functional.all_to_all_single.default is not None
+
+
+def test_fsdp_divides_a_one_rank_groups_gradients_twice_when_the_sum_is_forced(gloo_world):
+    """What ``shard_experts`` works around: with ``set_force_sum_reduction_for_comms`` and a divide factor, FSDP2
+    divides a one-rank group's gradients by the factor twice; without the forced sum, once. When this test fails
+    torch fixed it: ``shard_experts`` may then force the sum on every group."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    wrapper_function(SHARD_EXPERTS)
+    grads = {}
+    for forced in (True, False):
+        module = torch.nn.Linear(2, 1, bias=False)
+        torch.nn.init.ones_(module.weight)
+        with blame(SHARD_EXPERTS):
+            unit = fully_shard(module, mesh=init_device_mesh("cpu", (1,)))
+            unit.set_gradient_divide_factor(2.0)
+            unit.set_force_sum_reduction_for_comms(forced)
+            module(torch.ones(1, 2)).sum().backward()
+        grads[forced] = module.weight.grad.to_local().flatten().tolist()
+    assert grads[False] == [0.5, 0.5], grads
+    assert grads[True] == [0.25, 0.25], broken(SHARD_EXPERTS, f"the forced sum now divides once: {grads}")

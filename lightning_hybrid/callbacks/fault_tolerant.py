@@ -22,13 +22,14 @@ from lightning_hybrid.checkpoint.lineage import (
     Lineage,
     check_folder,
     claim_folder,
+    model_config_of,
+    resumable,
     run_id_of,
     set_aside_same_step,
 )
 from lightning_hybrid.checkpoint.manifest import (
     MANIFEST,
     CheckpointError,
-    committed_checkpoints,
     fsync_dir,
     purge_old,
     set_aside_newer,
@@ -100,8 +101,9 @@ class FaultTolerantCheckpoint(pl.Callback):
         auto_resume: on ``fit`` without ``ckpt_path``, resume from the newest valid checkpoint in ``dirpath``.
             What is a resume and what a new run: with ``fit(ckpt_path=...)`` the run continues that checkpoint's run
             lineage; with ``auto_resume=True`` and no ``ckpt_path`` it continues the lineage of the newest valid
-            checkpoint in ``dirpath`` (a new run if there is none); with ``auto_resume=False`` and no ``ckpt_path``
-            it is always a new run (a new run id). See :mod:`lightning_hybrid.checkpoint.lineage`.
+            checkpoint of this model in ``dirpath`` (a new run if there is none: another model's checkpoints are
+            another run's, see ``on_foreign``); with ``auto_resume=False`` and no ``ckpt_path`` it is always a new
+            run (a new run id). See :mod:`lightning_hybrid.checkpoint.lineage`.
         save_on_exception: try a synchronous save when training raises (if all ranks reach it within 20 s; not
             tried when the exception says the process group is broken: a dead peer, a NCCL error).
         save_on_signal: SIGTERM or SIGUSR1 trigger a synchronous save at the next step boundary on all ranks,
@@ -117,8 +119,9 @@ class FaultTolerantCheckpoint(pl.Callback):
             script needs an ``if __name__ == "__main__":`` guard).
         storage_options: for a URL ``dirpath``: passed to fsspec and DCP (``key``, ``secret``,
             ``client_kwargs={"endpoint_url": ...}``, ...); without them the environment's credentials are used.
-        on_foreign: what to do, before training, when ``dirpath`` holds checkpoints of another run lineage:
-            ``"refuse"`` (raise one line naming the folder, the other run's model and step, and the ways on) or
+        on_foreign: what to do, before training, when ``dirpath`` holds checkpoints of another run lineage (also
+            another model's, under auto-resume): ``"refuse"`` (raise one line naming the folder, the other run, how
+            its model differs and its step, and the ways on; in every worker before the model is built) or
             ``"archive"`` (move them into ``dirpath/archived-<run_id>/``; nothing is deleted). Saves never skip
             or overwrite a folder of another lineage, and retention deletes only this lineage's checkpoints.
 
@@ -188,6 +191,8 @@ class FaultTolerantCheckpoint(pl.Callback):
             # torchft replica groups: each group keeps its own checkpoints (for a disaster in which all die); after
             # such a restart, the first quorum heals every group that resumed from an older step.
             self.dirpath = self.dirpath / f"replica_group_{env.group_id}"
+        if stage == "fit":  # before the model is built: another model's ckpt_path, another run's folder (refuse)
+            self.check_lineage(trainer.ckpt_path, model_config_of(pl_module))
 
     def on_fit_start(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
         strategy = trainer.strategy
@@ -198,7 +203,8 @@ class FaultTolerantCheckpoint(pl.Callback):
                 remove_checkpoint(stale, MANIFEST)
         if trainer.ckpt_path is not None or not self.auto_resume or getattr(strategy, "healed_from_peer", False):
             return  # (a torchft replica group that healed from a live peer already holds newer state)
-        existing = strategy.broadcast([c.path.name for c in committed_checkpoints(self.dirpath)]
+        # Another model's checkpoints are another run's: never resumed (refused or archived at train start).
+        existing = strategy.broadcast([c.path.name for c in resumable(self.dirpath, model_config_of(pl_module))]
                                       if trainer.is_global_zero else None)
         found = self._newest_valid(trainer, [self.dirpath / name for name in existing])
         if trainer.is_global_zero:
@@ -212,7 +218,7 @@ class FaultTolerantCheckpoint(pl.Callback):
             if existing and not str(found).startswith("error:") and (found is None or found.name != existing[0]):
                 # The damaged ones are moved aside (kept, never tried again; their steps can be saved anew).
                 chosen = int(found.name[len("step-"):]) if found is not None else -1
-                for moved in set_aside_newer(self.dirpath, chosen):
+                for moved in set_aside_newer(self.dirpath, chosen, names=existing):
                     rank_zero_warn(f"moved the damaged checkpoint aside to {moved}")
                 if found is not None:
                     update_latest(self.dirpath, found)
@@ -239,7 +245,8 @@ class FaultTolerantCheckpoint(pl.Callback):
         refuse (one line, every rank) or archive (rank 0) the checkpoints of any other lineage in ``dirpath``."""
         verdict: list = []
         if trainer.is_global_zero:
-            lineage, error = claim_folder(self.dirpath, source, self.on_foreign, rank_zero_warn)
+            lineage, error = claim_folder(self.dirpath, source, self.on_foreign, rank_zero_warn,
+                                          model_config_of(getattr(trainer, "lightning_module", None)))
             verdict = [lineage.run_id, lineage.adopt_unlabelled, error]
         run_id, adopt, error = trainer.strategy.broadcast(verdict)
         if error:
@@ -247,15 +254,18 @@ class FaultTolerantCheckpoint(pl.Callback):
         self.lineage = Lineage(run_id, adopt)
         self._resume_source = checkpoint_path(source) if source else None
 
-    def check_lineage(self, ckpt_path: Optional[Union[str, Path]] = None) -> None:
-        """Before any process starts: the refusal of :meth:`_claim_folder` (``on_foreign="refuse"``), from the
-        manifests alone (no collective). Auto-resume is taken to continue the newest readable checkpoint.
+    def check_lineage(self, ckpt_path: Optional[Union[str, Path]] = None,
+                      model_config: Optional[dict[str, Any]] = None) -> None:
+        """The refusals of :meth:`_claim_folder` from the manifests alone (no collective): before any process starts
+        (the CLI), and again in every worker before the model is built. Auto-resume is taken to continue the newest
+        readable checkpoint of ``model_config`` (the model being trained); another model's are another run's.
 
         Raises:
-            ForeignCheckpointsError: one line naming the folder, the other run and the ways on.
+            ValueError: ``ckpt_path`` holds another model (its run and the differing fields named).
+            ForeignCheckpointsError: with ``on_foreign="refuse"``, one line naming the folder, the other run, how its
+                model differs and the ways on.
         """
-        if self.on_foreign == "refuse":
-            check_folder(self.dirpath, ckpt_path, self.auto_resume)
+        check_folder(self.dirpath, ckpt_path, self.auto_resume, model_config, refuse=self.on_foreign == "refuse")
 
     def _newest_valid(self, trainer: "pl.Trainer", candidates: list[Path]) -> Optional[Path]:
         """The first of ``candidates`` (newest first) whose files all match the manifest, checked by all ranks.
@@ -461,8 +471,9 @@ class FaultTolerantCheckpoint(pl.Callback):
 
         broken = peer_failure(exception) if dist.is_initialized() else None
         if broken is not None:  # a peer is gone: a collective save cannot complete; do not wait 20 s for it
-            log.warning(f"rank {trainer.global_rank}: no checkpoint after {type(exception).__name__}: the process "
-                        f"group is broken ({broken}); a restart resumes from the last committed checkpoint")
+            # (info only: the worker's one exit line says it, distributed/exit_report.py)
+            log.info(f"rank {trainer.global_rank}: no checkpoint after {type(exception).__name__}: the process "
+                     f"group is broken ({broken}); a restart resumes from the last committed checkpoint")
             return
         try:
             # Only if every rank got here too (an exception raised on all ranks); never hang on a dead peer.
@@ -473,27 +484,6 @@ class FaultTolerantCheckpoint(pl.Callback):
                 rank_zero_warn(f"saved a checkpoint at step {trainer.global_step} after {type(exception).__name__}")
         except SAVE_ERRORS as err:  # noqa: BLE001 - the original exception is what matters; report, it re-raises
             rank_zero_warn(f"could not save a checkpoint after {type(exception).__name__}: {err}")
-
-    def check_model_matches(self, config: Optional[dict[str, Any]]) -> None:
-        """Before any process starts: refuse a ``dirpath`` whose newest readable checkpoint holds another model.
-
-        Reads only manifests (no collective), so the launcher, or every rank under torchrun, refuses at once.
-
-        Raises:
-            ValueError: naming the folder, the differing fields and the ways out.
-        """
-        from lightning_hybrid.checkpoint.manifest import read_manifest
-        from lightning_hybrid.checkpoint.sharded import check_model_config
-
-        if not self.auto_resume or config is None:
-            return
-        for candidate in committed_checkpoints(self.dirpath):
-            try:
-                manifest = read_manifest(candidate.path)
-            except CheckpointError:
-                continue  # a damaged manifest is reported and set aside at resume
-            check_model_config(manifest.get("model_config"), config, candidate.path)
-            return
 
     def state_dict(self) -> dict[str, Any]:
         return {"last_saved_step": self.last_saved_step, "dirpath": str(self.dirpath)}

@@ -1,9 +1,12 @@
 """``lightning-hybrid export-hf``: a sharded training checkpoint -> a Hugging Face folder of the model's own family
-(``Qwen2ForCausalLM``, ``LlamaForCausalLM``, ``Qwen3ForCausalLM`` or ``MistralForCausalLM``).
+(``Qwen2ForCausalLM``, ``LlamaForCausalLM``, ``Qwen3ForCausalLM``, ``MistralForCausalLM`` or ``Qwen3MoeForCausalLM``).
 
 The checkpoint is read one tensor at a time with Distributed Checkpoint (which assembles the
 tensor from whatever mesh wrote it), so the exporter holds at most one output shard and one tensor
-in memory, never the whole model. The result loads with ``AutoModelForCausalLM.from_pretrained``.
+in memory, never the whole model (a mixture of experts: a layer's two 3-D expert tensors, written one tensor per
+expert as on the Hub). The result loads with ``AutoModelForCausalLM.from_pretrained``. A router bias of
+auxiliary-loss-free balancing has no place in Qwen3-MoE's format: it is left out, with a warning (the exported
+model routes without it).
 """
 
 from __future__ import annotations
@@ -23,7 +26,7 @@ from torch.distributed.checkpoint.metadata import Metadata
 
 from lightning_hybrid.checkpoint.storage import ObjectPath, checkpoint_path, storage_reader
 from lightning_hybrid.models.decoder.config import DecoderConfig
-from lightning_hybrid.models.decoder.hf import TOKENIZER_FILES, expected_hf_tensors, hf_to_ours
+from lightning_hybrid.models.decoder.hf import TOKENIZER_FILES, expected_hf_tensors, hf_source
 from lightning_hybrid.models.decoder.hf import hf_config_dict as family_config_dict
 
 __all__ = ["export_hf", "export_main", "parse_size", "hf_config_dict", "EXPORT_DTYPES"]
@@ -161,7 +164,7 @@ def export_hf(checkpoint_dir: Union[str, Path], out_dir: Union[str, Path], dtype
     _prepare_out_dir(out, overwrite)
     reader = _reader(checkpoint)
     stored, expected = _check_stored_tensors(reader, checkpoint, config)
-    _write_weights(reader, stored, expected, out, out_dtype, limit)
+    _write_weights(reader, stored, expected, out, out_dtype, limit, config)
     _write_configs(out, config, out_dtype, _import_folder(hparams.get("init_from_hf")))
     return out
 
@@ -189,18 +192,28 @@ def _check_stored_tensors(reader: "_MetadataOnceReader", checkpoint: Path,
               if key.startswith(_MODEL_PREFIX) and isinstance(meta, TensorStorageMetadata)}
     expected = expected_hf_tensors(config)
     for name in sorted(expected, key=_hf_order):
-        ours = hf_to_ours(name)
+        ours, index = hf_source(name, config)
         if ours not in stored:
             raise ValueError(f"checkpoint {checkpoint} has no tensor {_MODEL_PREFIX}{ours}; it is not a complete "
                              f"{config.name!r} checkpoint")
-        if tuple(stored[ours].size) != expected[name]:
+        size = tuple(torch.empty(stored[ours].size, device="meta")[index].shape)
+        if size != expected[name]:
             raise ValueError(f"tensor {_MODEL_PREFIX}{ours} in {checkpoint} has shape {list(stored[ours].size)} but "
                              f"model_config in meta.json expects {list(expected[name])}")
+    if any(key.endswith("e_score_correction_bias") for key in stored):
+        warnings.warn(f"{checkpoint} holds the routing biases of auxiliary-loss-free balancing "
+                      f"(router_bias_update_rate); Qwen3-MoE has no such tensor, and the exported model routes "
+                      f"without them")
     return stored, expected
 
 
+def _same_layer(a: str, b: str) -> bool:
+    """Whether our tensors ``a`` and ``b`` are experts of one layer (kept loaded together while it is written)."""
+    return ".experts." in a and a.split(".mlp.")[0] == b.split(".mlp.")[0]
+
+
 def _write_weights(reader: "_MetadataOnceReader", stored: dict[str, Any], expected: dict[str, tuple[int, ...]],
-                   out: Path, out_dtype: torch.dtype, limit: int) -> None:
+                   out: Path, out_dtype: torch.dtype, limit: int, config: DecoderConfig) -> None:
     """Stream the tensors into safetensors shards of at most ``limit`` bytes, one tensor in memory at a time,
     and write the shard index."""
     import torch.distributed.checkpoint as dcp
@@ -211,18 +224,20 @@ def _write_weights(reader: "_MetadataOnceReader", stored: dict[str, Any], expect
     sizes = {name: itemsize * int(torch.Size(expected[name]).numel()) for name in names}
     shards = _plan_shards(names, sizes, limit)
     weight_map: dict[str, str] = {}
+    loaded: dict[str, torch.Tensor] = {}
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=".*assuming the intent is to load in a single process.*")
         for number, shard in enumerate(shards, start=1):
             file = f"model-{number:05d}-of-{len(shards):05d}.safetensors"
             tensors: dict[str, torch.Tensor] = {}
             for name in shard:
-                ours = hf_to_ours(name)
-                meta = stored[ours]
-                buffer = torch.empty(meta.size, dtype=meta.properties.dtype)
-                dcp.load({_MODEL_PREFIX + ours: buffer}, storage_reader=reader, no_dist=True)
-                tensors[name] = buffer.to(out_dtype).contiguous()
-                del buffer
+                ours, index = hf_source(name, config)
+                if ours not in loaded:  # one stored tensor at a time (a layer's experts: its two 3-D tensors)
+                    loaded = {key: value for key, value in loaded.items() if _same_layer(key, ours)}
+                    meta = stored[ours]
+                    loaded[ours] = torch.empty(meta.size, dtype=meta.properties.dtype)
+                    dcp.load({_MODEL_PREFIX + ours: loaded[ours]}, storage_reader=reader, no_dist=True)
+                tensors[name] = loaded[ours][index].to(out_dtype).contiguous()
                 weight_map[name] = file
             save_file(tensors, str(out / file), metadata={"format": "pt"})
             del tensors

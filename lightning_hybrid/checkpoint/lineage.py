@@ -9,6 +9,10 @@ resumed again (``FaultTolerantCheckpoint(dirpath="<folder>/archived-<run_id>")``
 
 Checkpoints written before run ids existed have none: a run that resumes from one adopts every unlabelled
 checkpoint of the folder as its own.
+
+A checkpoint of another model (its manifest's model config differs from the model being trained) is always another
+lineage: auto-resume never takes it for its own, so under auto-resume too it is refused or archived like any other
+run's, and the refusal names its run and the fields in which the two models differ.
 """
 
 from __future__ import annotations
@@ -16,7 +20,7 @@ from __future__ import annotations
 import os
 import uuid
 from pathlib import Path
-from typing import Callable, Optional, Union
+from typing import Any, Callable, Optional, Union
 
 from lightning_hybrid.checkpoint.manifest import (
     LATEST,
@@ -25,14 +29,15 @@ from lightning_hybrid.checkpoint.manifest import (
     Committed,
     committed_checkpoints,
     fsync_dir,
+    model_differences,
     read_manifest,
     update_latest,
 )
 from lightning_hybrid.checkpoint.storage import checkpoint_path, move_checkpoint
 
 __all__ = ["ON_FOREIGN", "ForeignCheckpointsError", "new_run_id", "run_id_of", "Lineage", "foreign_checkpoints",
-           "describe_foreign", "archive_foreign", "claim_folder", "check_folder",
-           "set_aside_same_step", "ARCHIVE_PREFIX"]
+           "describe_foreign", "archive_foreign", "claim_folder", "check_folder", "model_config_of", "of_another_model",
+           "resumable", "set_aside_same_step", "ARCHIVE_PREFIX"]
 
 ON_FOREIGN = ("refuse", "archive")
 ARCHIVE_PREFIX = "archived-"
@@ -90,16 +95,45 @@ def foreign_checkpoints(dirpath: Union[str, Path], lineage: Lineage) -> dict[obj
     return found
 
 
-def _model(folder: Path) -> str:
+def model_config_of(module: Any) -> Optional[dict[str, Any]]:
+    """The model config a LightningModule trains (``module.config.to_dict()``), ``None`` when it has none."""
+    config = getattr(module, "config", None)
+    return config.to_dict() if callable(getattr(config, "to_dict", None)) else None
+
+
+def of_another_model(folder: Union[str, Path], current: Optional[dict[str, Any]]) -> bool:
+    """``folder``'s manifest is readable and holds another model than ``current`` (``None``: unknown, never)."""
+    try:
+        saved = read_manifest(checkpoint_path(folder)).get("model_config")
+    except CheckpointError:
+        return False  # no valid manifest: auto-resume checks it and sets it aside as damaged
+    return bool(model_differences(saved, current))
+
+
+def resumable(dirpath: Union[str, Path], current: Optional[dict[str, Any]]) -> list[Committed]:
+    """The committed checkpoints of ``dirpath`` that auto-resume may take, newest first: all but another model's."""
+    return [c for c in committed_checkpoints(dirpath) if not of_another_model(c.path, current)]
+
+
+def _model(folder: Path, current: Optional[dict[str, Any]] = None) -> str:
+    """``tiny-64 (hidden_size=64, num_hidden_layers=4)``, or with ``current`` the fields that differ from it:
+    ``tiny (hidden_size 64, this run's 96)``."""
     config = read_manifest(folder).get("model_config") or {}
+    name = config.get("name", "unknown")
+    diff = model_differences(config, current)
+    if diff:
+        return f"{name} (" + ", ".join(f"{k} {a}, this run's {b}" for k, (a, b) in diff.items()) + ")"
     shape = ", ".join(f"{k}={config[k]}" for k in ("hidden_size", "num_hidden_layers") if k in config)
-    return f"{config.get('name', 'unknown')}" + (f" ({shape})" if shape else "")
+    return name + (f" ({shape})" if shape else "")
 
 
-def describe_foreign(dirpath: Union[str, Path], foreign: dict[object, list[Committed]]) -> str:
-    """One line: the folder, each other run's id, model and newest step, and the two ways on."""
-    runs = "; ".join(f"run {run_id or 'without run id'}: model {_model(items[0].path)}, newest step {items[0].step}, "
-                     f"{len(items)} checkpoint{'s' if len(items) > 1 else ''}" for run_id, items in foreign.items())
+def describe_foreign(dirpath: Union[str, Path], foreign: dict[object, list[Committed]],
+                     current: Optional[dict[str, Any]] = None) -> str:
+    """One line: the folder, each other run's id, model (with ``current``: how it differs from this run's) and newest
+    step, and the two ways on."""
+    runs = "; ".join(f"run {run_id or 'without run id'}: model {_model(items[0].path, current)}, newest step "
+                     f"{items[0].step}, {len(items)} checkpoint{'s' if len(items) > 1 else ''}"
+                     for run_id, items in foreign.items())
     return (f"checkpoint folder {dirpath} holds checkpoints of another run ({runs}); this new run would mix its "
             f"history into theirs. Give this run another dirpath, or pass FaultTolerantCheckpoint(..., "
             f"on_foreign=\"archive\") to move the other run's checkpoints into "
@@ -149,16 +183,17 @@ def set_aside_same_step(final: Path) -> Optional[Path]:
 
 
 def claim_folder(dirpath: Union[str, Path], source: Optional[Union[str, Path]], on_foreign: str,
-                 warn: Callable[[str], None]) -> tuple[Lineage, str]:
+                 warn: Callable[[str], None], current: Optional[dict[str, Any]] = None) -> tuple[Lineage, str]:
     """The lineage of a run resuming from ``source`` (``None``: a new run) in ``dirpath``, and the one-line refusal
     when another lineage's checkpoints are there and ``on_foreign="refuse"`` (else ``""``; with ``"archive"`` they
-    are moved and ``latest`` points at this lineage's newest). Only one process may call it."""
+    are moved and ``latest`` points at this lineage's newest). ``current``: the model config being trained, to name
+    how another run's model differs. Only one process may call it."""
     lineage = Lineage.resuming(source)
     foreign = foreign_checkpoints(dirpath, lineage)
     if not foreign:
         return lineage, ""
     if on_foreign == "refuse":
-        return lineage, describe_foreign(dirpath, foreign)
+        return lineage, describe_foreign(dirpath, foreign, current)
     moved = archive_foreign(dirpath, foreign)
     warn(f"on_foreign='archive': moved {len(moved)} checkpoint(s) of another run from {dirpath} into "
          f"{', '.join(sorted({str(m.parent) for m in moved}))}")
@@ -170,17 +205,25 @@ def claim_folder(dirpath: Union[str, Path], source: Optional[Union[str, Path]], 
     return lineage, ""
 
 
-def check_folder(dirpath: Union[str, Path], ckpt_path: Optional[Union[str, Path]], auto_resume: bool) -> None:
-    """The refusal of :func:`claim_folder` from the manifests alone, before any process starts (auto-resume is
-    taken to continue the newest checkpoint with a readable manifest).
+def check_folder(dirpath: Union[str, Path], ckpt_path: Optional[Union[str, Path]], auto_resume: bool,
+                 current: Optional[dict[str, Any]] = None, refuse: bool = True) -> None:
+    """The refusals of :func:`claim_folder` from the manifests alone, before any process starts or any collective
+    runs (auto-resume is taken to continue the newest checkpoint of this model with a readable manifest): a
+    ``ckpt_path`` of another model (always), another lineage's checkpoints in ``dirpath`` (with ``refuse``).
 
     Raises:
-        ForeignCheckpointsError: one line naming the folder, the other run and the ways on.
+        ValueError: ``ckpt_path`` holds another model (naming its run and the differing fields).
+        ForeignCheckpointsError: one line naming the folder, the other run, its model and the ways on.
     """
+    from lightning_hybrid.checkpoint.sharded import check_model_config
+
     source = ckpt_path
+    if source is not None and run_id_of(source) is not _UNREADABLE:
+        manifest = read_manifest(checkpoint_path(source))
+        check_model_config(manifest.get("model_config"), current, checkpoint_path(source), manifest.get("run_id"))
     if source is None and auto_resume:
-        readable = [c for c in committed_checkpoints(dirpath) if run_id_of(c.path) is not _UNREADABLE]
+        readable = [c for c in resumable(dirpath, current) if run_id_of(c.path) is not _UNREADABLE]
         source = readable[0].path if readable else None
     foreign = foreign_checkpoints(dirpath, Lineage.resuming(source))
-    if foreign:
-        raise ForeignCheckpointsError(describe_foreign(dirpath, foreign))
+    if foreign and refuse:
+        raise ForeignCheckpointsError(describe_foreign(dirpath, foreign, current))

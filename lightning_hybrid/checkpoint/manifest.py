@@ -24,7 +24,7 @@ from lightning_hybrid.checkpoint.storage import ObjectPath, checkpoint_path, mov
 
 __all__ = ["MANIFEST", "LATEST", "step_dirname", "file_record", "write_manifest",
            "CheckpointError", "committed_checkpoints", "set_aside_newer", "update_latest", "purge_old",
-           "fsync_dir", "record_skips"]
+           "fsync_dir", "record_skips", "model_differences"]
 
 MANIFEST = "meta.json"
 LATEST = "latest"
@@ -113,17 +113,21 @@ def committed_checkpoints(dirpath: Union[str, Path]) -> list[Committed]:
     return sorted(found, key=lambda c: c.step, reverse=True)
 
 
-def set_aside_newer(dirpath: Union[str, Path], step: int) -> list[Path]:
-    """Rename every committed checkpoint newer than ``step`` to ``step-N.damaged`` (``.damaged-2``, ... if taken).
+def set_aside_newer(dirpath: Union[str, Path], step: int, names: Optional[Iterable[str]] = None) -> list[Path]:
+    """Rename every committed checkpoint newer than ``step`` to ``step-N.damaged`` (``.damaged-2``, ... if taken);
+    with ``names``, only those of them (the candidates that were checked; another model's are not this run's).
 
     Called after :func:`find_resumable` chose the checkpoint of ``step`` (``-1``: none), when every newer one
     failed its check: set aside, they are kept for inspection but never tried again, and the resumed run can
     save those steps anew. Only one process may call it. Returns the new paths.
     """
     moved = []
+    only = None if names is None else set(names)
     for candidate in committed_checkpoints(dirpath):
         if candidate.step <= step:
             break
+        if only is not None and candidate.path.name not in only:
+            continue
         target = candidate.path.with_name(candidate.path.name + ".damaged")
         n = 1
         while target.exists():
@@ -134,6 +138,19 @@ def set_aside_newer(dirpath: Union[str, Path], step: int) -> list[Path]:
     if moved:
         fsync_dir(checkpoint_path(dirpath))
     return moved
+
+
+# Fields of a model config that do not make it another model (a name, the longest sequence, the init's spread).
+_NOT_THE_MODEL = ("name", "max_position_embeddings", "initializer_range")
+
+
+def model_differences(saved: Optional[dict[str, Any]], current: Optional[dict[str, Any]]) -> dict[str, tuple]:
+    """``{field: (saved, current)}`` of the config fields in which two models differ (``{}``: the same model, or
+    one of the configs is unknown); the name alone never makes two models different."""
+    if saved is None or current is None:
+        return {}
+    return {k: (saved.get(k), current.get(k)) for k in sorted(set(saved) | set(current))
+            if k not in _NOT_THE_MODEL and saved.get(k) != current.get(k)}
 
 
 def update_latest(dirpath: Path, folder: Path) -> None:

@@ -30,7 +30,13 @@ from lightning_hybrid.checkpoint.dcp import (
     save_trainer_state,
     write_shards,
 )
-from lightning_hybrid.checkpoint.manifest import MANIFEST, CheckpointError, file_record, write_manifest
+from lightning_hybrid.checkpoint.manifest import (
+    MANIFEST,
+    CheckpointError,
+    file_record,
+    model_differences,
+    write_manifest,
+)
 from lightning_hybrid.checkpoint.staging import AsyncOptions
 from lightning_hybrid.checkpoint.storage import checkpoint_path
 from lightning_hybrid.checkpoint.verify import verify_on_all_ranks
@@ -187,22 +193,20 @@ def begin_save(ctx: CheckpointContext, checkpoint: dict[str, Any], folder: Path,
     return ShardedSave(ctx, folder, pending, _info(ctx, checkpoint), started, local_error)
 
 
-def check_model_config(saved: Optional[dict[str, Any]], current: Optional[dict[str, Any]], folder: Path) -> None:
+def check_model_config(saved: Optional[dict[str, Any]], current: Optional[dict[str, Any]], folder: Path,
+                       run_id: Optional[str] = None) -> None:
     """Raise when the checkpoint holds another model than the one being trained.
 
     Raises:
-        ValueError: naming both configs' differing fields.
+        ValueError: naming the checkpoint, its run and the differing fields.
     """
-    if saved is None or current is None:
-        return
-    ignore = {"name", "max_position_embeddings", "initializer_range"}
-    diff = {k: (saved.get(k), current.get(k)) for k in set(saved) | set(current)
-            if k not in ignore and saved.get(k) != current.get(k)}
+    diff = model_differences(saved, current)
     if diff:
-        fields = ", ".join(f"{k}: checkpoint {a} vs model {b}" for k, (a, b) in sorted(diff.items()))
-        raise ValueError(f"checkpoint {folder} is of another model ({saved.get('name')} vs {current.get('name')}): "
-                         f"{fields}; load it into a model with the same config, or give this model another "
-                         f"checkpoint folder (FaultTolerantCheckpoint dirpath) or move {folder.parent} away")
+        fields = ", ".join(f"{k}: checkpoint {a} vs model {b}" for k, (a, b) in diff.items())
+        run = f" (run {run_id})" if run_id else ""
+        raise ValueError(f"checkpoint {folder}{run} is of another model: {fields}; load it into a model with the "
+                         f"same config, or give this model another checkpoint folder (FaultTolerantCheckpoint "
+                         f"dirpath) or move {folder.parent} away")
 
 
 def load(ctx: CheckpointContext, folder: Path) -> dict[str, Any]:
@@ -222,7 +226,8 @@ def load(ctx: CheckpointContext, folder: Path) -> dict[str, Any]:
         raise CheckpointError(f"checkpoint {folder} has no {MANIFEST} (incomplete or not a checkpoint)")
     manifest = verify_on_all_ranks(folder, ctx.global_rank, ctx.world_size, ctx.group).manifest
     config = getattr(ctx.module, "config", None)
-    check_model_config(manifest.get("model_config"), config.to_dict() if config is not None else None, folder)
+    check_model_config(manifest.get("model_config"), config.to_dict() if config is not None else None, folder,
+                       manifest.get("run_id"))
     load_shards(folder, ctx.module.model, ctx.optimizers, ctx.group)
     trainer_state = load_trainer_state(folder)
     if manifest.get("data_position"):  # the manifest's wins: a rollback may have added skipped ranges to it since

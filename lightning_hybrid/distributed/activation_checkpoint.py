@@ -55,7 +55,8 @@ def _saved_ops() -> set:
     ops = {getattr(aten, n).default for n in names if hasattr(aten, n)}
     funcol = getattr(torch.ops, "_c10d_functional", None)
     if funcol is not None:
-        for n in ("all_reduce", "reduce_scatter_tensor", "all_gather_into_tensor", "wait_tensor"):
+        # all_to_all_single: expert parallelism's dispatch and return (never sent twice)
+        for n in ("all_reduce", "reduce_scatter_tensor", "all_gather_into_tensor", "all_to_all_single", "wait_tensor"):
             if hasattr(funcol, n):
                 ops.add(getattr(funcol, n).default)
     return ops

@@ -13,7 +13,7 @@ from __future__ import annotations
 import logging
 from datetime import timedelta
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 from lightning_hybrid.checkpoint.manifest import MANIFEST, committed_checkpoints
 from lightning_hybrid.checkpoint.storage import checkpoint_path
@@ -117,7 +117,8 @@ def check_strategy_request(host: StrategyHost, spec: Optional[ParallelSpec]) -> 
     _request_shape(host, spec)
 
 
-def check_request(host: StrategyHost, spec: Optional[ParallelSpec], precision: str) -> Optional[ParallelDims]:
+def check_request(host: StrategyHost, spec: Optional[ParallelSpec], precision: str,
+                  log: Optional[Callable[[str], Any]] = None) -> Optional[ParallelDims]:
     """The strategy's layout request checked before any collective, identical on every rank: the sizes it resolves
     to (:func:`~lightning_hybrid.distributed.options.check_options`), or ``None`` when an option is ``"auto"`` (then
     :func:`check_strategy_request`'s checks; :func:`resolve_auto` plans it once the process group exists).
@@ -131,7 +132,7 @@ def check_request(host: StrategyHost, spec: Optional[ParallelSpec], precision: s
     module = host.lightning_module
     return check_options(host.options, host.num_nodes * host.num_processes,
                          host.num_processes if host.num_nodes > 1 else None, spec,
-                         module.num_blocks() if spec is not None else None, precision, type(module).__name__)
+                         module.num_blocks() if spec is not None else None, precision, type(module).__name__, log)
 
 
 def _request_shape(host: StrategyHost, spec: Optional[ParallelSpec]) -> TrainingShape:

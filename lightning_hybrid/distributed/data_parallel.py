@@ -24,7 +24,8 @@ if TYPE_CHECKING:
     from torch.distributed import ProcessGroup
     from torch.distributed.device_mesh import DeviceMesh
 
-__all__ = ["apply_fsdp", "all_reduce_gradients", "all_reducing", "StepWeightCasts", "torch_dtype", "without_autocast"]
+__all__ = ["apply_fsdp", "all_reduce_gradients", "all_reducing", "reduce_gradients", "StepWeightCasts", "torch_dtype",
+           "without_autocast"]
 
 
 def torch_dtype(name: Optional[str]) -> Optional[torch.dtype]:
@@ -142,37 +143,86 @@ def _local(grad: Tensor) -> Tensor:
     return grad.to_local() if isinstance(grad, DTensor) else grad
 
 
+def _bucketed(params: list[Tensor], bucket_bytes: Optional[int]) -> list[list[Tensor]]:
+    """``params`` grouped by device and dtype into buckets of about ``bucket_bytes`` (``None``: one per group), in
+    an order that depends only on the parameters (the same on every rank that holds them)."""
+    groups: dict[tuple, list[list[Tensor]]] = {}
+    for param in params:
+        local = _local(param)
+        buckets = groups.setdefault((local.device, local.dtype), [[]])
+        if bucket_bytes is not None and sum(t.numel() * t.element_size() for t in buckets[-1]) > bucket_bytes:
+            buckets.append([])
+        buckets[-1].append(param)
+    return [bucket for buckets in groups.values() for bucket in buckets]
+
+
+def _as_parameter_layout(param: Tensor) -> None:
+    """Give a DTensor gradient its parameter's placements (a vocabulary-sharded embedding's gradient can come out
+    replicated or partial): every rank then reduces a slot of the parameter's local size, which a rank without
+    gradient fills with zeros. From replicated, a local slice; from partial, a sum over the tensor-parallel group,
+    whose ranks all have the gradient (they run the same batch)."""
+    from torch.distributed.tensor import DTensor
+
+    grad = param.grad
+    if isinstance(grad, DTensor) and isinstance(param, DTensor) and tuple(grad.placements) != tuple(param.placements):
+        param.grad = grad.redistribute(param.device_mesh, param.placements)
+
+
 @torch.no_grad()
+def reduce_gradients(parameters: Iterable[Tensor], reduce: Callable[[Tensor], Any], divide_by: int = 1,
+                     reduce_dtype: Optional[torch.dtype] = None,
+                     bucket_bytes: Optional[int] = GRADIENT_BUCKET_BYTES) -> None:
+    """Reduce the gradients of the trainable ``parameters`` with ``reduce`` (an in-place sum or average of one flat
+    tensor over the ranks), then divide by ``divide_by``; a parameter without a gradient here takes part as zeros.
+
+    Every rank must pass the same parameters (same shapes, same order), and every rank then reduces the same
+    buffers, whichever parameters its own batch used: a branch, an adapter or an expert that this rank's inputs
+    skipped (``grad is None`` here) would otherwise leave the ranks reducing buffers of different sizes (gloo aborts,
+    NCCL hangs or mixes values). As DDP does with unused parameters, such a gradient counts as zeros; each bucket
+    carries one usage flag per parameter in the same reduction (no extra collective), so a parameter that no rank
+    used keeps ``grad=None`` everywhere (the optimizer skips it, as one process over the global batch would) and one
+    used anywhere gets the reduced gradient everywhere. ``reduce_dtype`` is the dtype the buckets are reduced in
+    (``None``: the gradients' own); DTensor gradients (tensor-parallel shards) are reduced through their local shard,
+    the same shard on every rank of the reduction.
+    """
+    params = [p for p in parameters if p.requires_grad]
+    for param in params:
+        _as_parameter_layout(param)
+    for bucket in _bucketed(params, bucket_bytes):
+        locals_ = [_local(p) for p in bucket]
+        sizes = [t.numel() for t in locals_]
+        total = sum(sizes)
+        flat = torch.zeros(total + len(bucket), dtype=reduce_dtype or locals_[0].dtype, device=locals_[0].device)
+        values = flat[:total].split(sizes)
+        for i, param in enumerate(bucket):
+            if param.grad is not None:
+                values[i].copy_(_local(param.grad).reshape(-1))
+        flat[total:] = torch.tensor([float(p.grad is not None) for p in bucket], dtype=flat.dtype)
+        reduce(flat)
+        if divide_by != 1:
+            flat[:total].div_(divide_by)
+        # the flags are read on the host only for the parameters this rank did not use (no sync in the common case)
+        missing = [i for i, param in enumerate(bucket) if param.grad is None]
+        unused = {i for i, used in zip(missing, flat[total:][missing].tolist() if missing else []) if used <= 0}
+        for i, (param, local, value) in enumerate(zip(bucket, locals_, values)):
+            if i in unused:  # no rank used it: no gradient anywhere
+                continue
+            if param.grad is None:
+                param.grad = torch.zeros_like(param)
+            _local(param.grad).copy_(value.view_as(local))  # casts back to the gradient's dtype
+
+
 def all_reduce_gradients(parameters: Iterable[Tensor], group: "ProcessGroup", world: int,
                          reduce_dtype: Optional[torch.dtype] = None) -> None:
-    """Average the gradients of replicated parameters over ``group`` in buckets of about 25 MB.
+    """Average the gradients of replicated parameters over ``group`` in buckets of about 25 MB
+    (:func:`reduce_gradients`: a parameter without a gradient on some ranks takes part as zeros there).
 
     ``reduce_dtype`` (for example fp32 for bf16 gradients) is the dtype the buckets are summed in;
     ``None`` sums in the gradients' own dtype.
-
-    DTensor gradients (tensor-parallel shards) are reduced through their local shard, which is the
-    same shard on every rank of ``group``.
     """
     import torch.distributed as dist
-    from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
-    grads = [_local(p.grad) for p in parameters if p.grad is not None]
-    buckets: dict[tuple, list[list[Tensor]]] = {}
-    for g in grads:
-        key = (g.device, g.dtype)
-        bucket_list = buckets.setdefault(key, [[]])
-        if sum(t.numel() * t.element_size() for t in bucket_list[-1]) > GRADIENT_BUCKET_BYTES:
-            bucket_list.append([])
-        bucket_list[-1].append(g)
-    for bucket_list in buckets.values():
-        for bucket in bucket_list:
-            flat = _flatten_dense_tensors(bucket)
-            if reduce_dtype is not None and flat.dtype != reduce_dtype:
-                flat = flat.to(reduce_dtype)
-            dist.all_reduce(flat, group=group)
-            flat.div_(world)
-            for g, reduced in zip(bucket, _unflatten_dense_tensors(flat, bucket)):
-                g.copy_(reduced)  # casts back to the gradient's dtype
+    reduce_gradients(parameters, lambda flat: dist.all_reduce(flat, group=group), world, reduce_dtype)
 
 
 def all_reducing(closure: Callable[[], Any], model: nn.Module, group: "ProcessGroup", world: int,

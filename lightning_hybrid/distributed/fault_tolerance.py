@@ -232,21 +232,12 @@ class ReplicaGroups:
             self.manager.allreduce(tensor).wait()
         return tensor
 
-
     def average_gradients(self, params: "list[nn.Parameter]") -> None:
-        """Average the local gradient shards over the groups of the quorum, one flat all-reduce per dtype."""
-        from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
+        """Average the local gradient shards over the groups of the quorum, one flat all-reduce per dtype; a
+        parameter without a gradient in this group takes part as zeros (:func:`~.data_parallel.reduce_gradients`)."""
+        from lightning_hybrid.distributed.data_parallel import reduce_gradients
 
-        by_dtype: dict[torch.dtype, list[Tensor]] = {}
-        for param in params:
-            if param.grad is not None:
-                grad = _local(param.grad)
-                by_dtype.setdefault(grad.dtype, []).append(grad)
-        for grads in by_dtype.values():
-            flat = _flatten_dense_tensors(grads)
-            self.average(flat)
-            for grad, value in zip(grads, _unflatten_dense_tensors(flat, grads)):
-                grad.copy_(value)
+        reduce_gradients(params, self.average, bucket_bytes=None)
 
     def commit(self, step: int) -> bool:
         """torchft's verdict for this step (``False``: discard it, same on every rank of this group)."""

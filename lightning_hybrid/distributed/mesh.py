@@ -84,8 +84,8 @@ def _lightning_names(mesh: "DeviceMesh") -> None:
 
 def build_mesh(dims: ParallelDims, device_type: str, timeout: Optional[timedelta] = None) -> "DeviceMesh":
     """The DeviceMesh ``("pp", "dp", "tp")`` over the default process group, its groups timing out after ``timeout``;
-    ``("pp", "dp", "cp", "tp")`` with cp > 1, and ``"dp"`` split into ``("dp_replicate", "dp_shard")`` under HSDP
-    (see the module docstring for the order and the flattened names).
+    ``("pp", "dp", "cp", "tp")`` with cp > 1, and ``"dp"`` split into ``("dp_replicate", "dp_shard")`` under HSDP or
+    into ``("edp", "ep")`` with ep > 1 (see :mod:`~.parallel_dims` for the order and the flattened names).
 
     Without cp and HSDP it also answers to Lightning's ``ModelParallelStrategy`` names: ``mesh["data_parallel"]``
     and ``mesh["tensor_parallel"]`` are the ``dp`` and ``tp`` dimensions, so a ``configure_model`` written for
@@ -93,17 +93,19 @@ def build_mesh(dims: ParallelDims, device_type: str, timeout: Optional[timedelta
     """
     from torch.distributed.device_mesh import init_device_mesh
 
-    hsdp = dims.dp_replicate > 1
-    data = ("dp_replicate", "dp_shard") if hsdp else ("dp",)
+    hsdp, experts = dims.dp_replicate > 1, dims.ep > 1
+    data = ("dp_replicate", "dp_shard") if hsdp else ("edp", "ep") if experts else ("dp",)
     names = ("pp",) + data + (("cp",) if dims.cp > 1 else ()) + ("tp",)
     sizes = {"pp": dims.pp, "dp": dims.dp, "dp_replicate": dims.dp_replicate, "dp_shard": dims.dp_shard,
-             "cp": dims.cp, "tp": dims.tp}
+             "cp": dims.cp, "tp": dims.tp, "edp": dims.edp, "ep": dims.ep}
     with _group_timeout(timeout):
         mesh = init_device_mesh(device_type, tuple(sizes[n] for n in names), mesh_dim_names=names)
         cp = ("cp",) if dims.cp > 1 else ()
         aliases = {"dp": data, "dp_shard_cp": ("dp_shard",) + cp} if hsdp else {}
+        if experts:
+            aliases = {"dp": data, **({"edp_cp": ("edp",) + cp} if cp else {})}
         _flatten_groups(mesh, {**aliases, "dp_cp": data + cp})
-        if not hsdp and dims.cp == 1:
+        if not hsdp and not experts and dims.cp == 1:
             _lightning_names(mesh)
     return mesh
 

@@ -11,16 +11,17 @@ device's side (async TP's CUDA and NCCL, float8's compute capability) in
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import Any, Callable, Optional
 
+from lightning_hybrid.distributed.default_mesh import log_bare_layout
 from lightning_hybrid.distributed.options import ParallelOptions
 from lightning_hybrid.distributed.parallel_dims import ParallelDims
 from lightning_hybrid.distributed.pipeline.schedules import validate_schedule
 from lightning_hybrid.distributed.pipeline.split import plan_stages
 from lightning_hybrid.models.spec import ParallelSpec
 
-__all__ = ["check_options", "float8_error", "context_parallel_error", "DECLARED_PRECISIONS", "FLOAT8_PRECISIONS",
-           "FLOAT8_EXTRA"]
+__all__ = ["check_options", "float8_error", "context_parallel_error", "experts_error", "DECLARED_PRECISIONS",
+           "FLOAT8_PRECISIONS", "FLOAT8_EXTRA"]
 
 DECLARED_PRECISIONS = ("32-true", "bf16-mixed", "bf16-true")
 FLOAT8_EXTRA = "pip install 'lightning-hybrid[float8]'"
@@ -68,6 +69,30 @@ def context_parallel_error(spec: Optional[ParallelSpec], cp: int, module_name: s
     return ""
 
 
+def experts_error(options: ParallelOptions, spec: Optional[ParallelSpec], module_name: str) -> Optional[str]:
+    """Why expert parallelism (or a mixture-of-experts model) cannot run with these options (one line), or ``None``:
+    ``ep>1`` needs a model with experts whose count it divides and FSDP2 over the data ranks; a mixture of experts is
+    not compiled (its per-expert splits are data-dependent)."""
+    experts = spec is not None and spec.block_experts is not None
+    if options.ep > 1 and not experts:
+        return (f"ep={options.ep} needs a mixture-of-experts model (its ParallelSpec declares block_experts, e.g. "
+                f"model='qwen3-30b-a3b' or 'tiny-moe'); {module_name} has none; use ep=1")
+    if options.ep > 1:
+        assert spec is not None
+        for field, value in spec.ep_divisible.items():
+            if value % options.ep:
+                fits = [d for d in range(1, value + 1) if value % d == 0]
+                return (f"ep={options.ep} does not divide {field}={value} (each ep rank holds num_experts / ep "
+                        f"experts); use ep in {', '.join(map(str, fits))}")
+        if options.data_parallel != "fsdp":
+            return (f"ep={options.ep} with data_parallel={options.data_parallel!r} is not supported (the experts are "
+                    f"sharded by FSDP2 over the data ranks of each ep rank); use data_parallel='fsdp'")
+    if experts and options.compile:
+        return ("compile=True with a mixture-of-experts model is not supported (the tokens per expert are "
+                "data-dependent); use compile=False")
+    return None
+
+
 def _feature_error(options: ParallelOptions, dims: ParallelDims, spec: Optional[ParallelSpec], precision: str,
                    module_name: str) -> Optional[str]:
     """The first feature of ``options`` this module, precision and mesh cannot run (one line), or ``None``."""
@@ -95,7 +120,7 @@ def _feature_error(options: ParallelOptions, dims: ParallelDims, spec: Optional[
 
 def check_options(options: ParallelOptions, world_size: int, devices_per_node: Optional[int],
                   spec: Optional[ParallelSpec], num_blocks: Optional[int], precision: str,
-                  module_name: str) -> ParallelDims:
+                  module_name: str, log: Optional[Callable[[str], Any]] = None) -> ParallelDims:
     """All checks of ``options`` against the world and the model that need no collective.
 
     Identical on every rank, so every rank raises alike before the first collective.
@@ -104,14 +129,15 @@ def check_options(options: ParallelOptions, world_size: int, devices_per_node: O
         spec: the module's declared parts, ``None`` for a module that parallelizes itself.
         num_blocks: the declared model's number of blocks.
         module_name: the LightningModule's class name, for messages.
+        log: where the one line naming a bare strategy's mesh goes (:func:`~.default_mesh.bare_layout_note`).
 
     Raises:
         ValueError: sizes that do not fit the world or the model, or a feature the module cannot use.
     """
-    tp, dp = options.sizes(world_size, devices_per_node)
+    tp, dp = options.sizes(world_size, devices_per_node, self_parallel=spec is None)
     dims = ParallelDims.resolve(tp, options.pp, dp, world_size, devices_per_node=devices_per_node, cp=options.cp,
-                                dp_shard=options.dp_shard)
-    problem = _feature_error(options, dims, spec, precision, module_name)
+                                dp_shard=options.dp_shard, ep=options.ep)
+    problem = _feature_error(options, dims, spec, precision, module_name) or experts_error(options, spec, module_name)
     if problem:
         raise ValueError(problem)
     if spec is not None and num_blocks is not None:
@@ -129,4 +155,5 @@ def check_options(options: ParallelOptions, world_size: int, devices_per_node: O
         plan_stages(spec, num_blocks, options.pp * options.virtual_stages, options.pp_split_points)
     elif options.virtual_stages != 1:
         raise ValueError(f"virtual_stages={options.virtual_stages} needs pp>1; use virtual_stages=1")
+    log_bare_layout(options, dims, spec is None, log)
     return dims

@@ -223,6 +223,8 @@ class ParallelOptions:
     # Context parallelism (sequence split across cp ranks) and HSDP's shard-group size.
     cp: int = 1
     dp_shard: Optional[int] = None
+    # Expert parallelism: the experts of each mixture-of-experts layer split over ep ranks carved from dp.
+    ep: int = 1
     # Runtime features (docs/performance.md): vocabulary-parallel loss, bf16 weight copies under bf16-mixed, when
     # FSDP2 frees gathered weights, torch's micro-pipelined TP.
     loss_parallel: bool = True
@@ -239,6 +241,7 @@ class ParallelOptions:
         for name in ("tp", "pp", "virtual_stages"):
             positive_int(name, getattr(self, name), allow_auto=True)
         positive_int("cp", self.cp)
+        positive_int("ep", self.ep)
         positive_int("dp", self.dp, allow_none=True, allow_auto=True)
         positive_int("dp_shard", self.dp_shard, allow_none=True)
         lightning_size("data_parallel_size", self.data_parallel_size)
@@ -275,14 +278,26 @@ class ParallelOptions:
             return self.microbatches
         return default_microbatches(self.pp_schedule, self.pp, self.virtual_stages)
 
-    def sizes(self, world_size: int, devices_per_node: Optional[int]) -> tuple[int, Optional[int]]:
+    def is_bare(self) -> bool:
+        """No size was given: ``tp``, ``dp``, ``tensor_parallel_size``, ``data_parallel_size``, ``pp``, ``cp`` and
+        ``ep`` at their defaults (a bare ``HybridParallelStrategy()``; see
+        :mod:`~lightning_hybrid.distributed.default_mesh`)."""
+        return (self.tp == 1 and self.dp is None and self.tensor_parallel_size is None
+                and self.data_parallel_size is None and self.pp == 1 and self.cp == 1 and self.ep == 1)
+
+    def sizes(self, world_size: int, devices_per_node: Optional[int],
+              self_parallel: bool = False) -> tuple[int, Optional[int]]:
         """``(tp, dp)`` with Lightning's ``"auto"`` resolved: ``tensor_parallel_size="auto"`` is the devices per node,
-        ``data_parallel_size="auto"`` the number of nodes (``devices_per_node=None``: one node).
+        ``data_parallel_size="auto"`` the number of nodes (``devices_per_node=None``: one node). A module that
+        parallelizes itself (``self_parallel``) under a bare strategy (:meth:`is_bare`) gets both as ``"auto"``:
+        the mesh a bare ``ModelParallelStrategy()`` builds.
 
         Raises:
             ValueError: ``tp``/``dp`` was given too and differs from what ``"auto"`` means here.
         """
         per_node = devices_per_node or world_size
+        if self_parallel and self.is_bare():
+            return per_node, world_size // per_node
         tp = _auto("tp", self.tp, 1, "tensor_parallel_size", self.tensor_parallel_size, per_node)
         dp = _auto("dp", self.dp, None, "data_parallel_size", self.data_parallel_size, world_size // per_node)
         return tp, dp
@@ -295,6 +310,8 @@ class ParallelOptions:
                   "activation_checkpointing": self.activation_checkpointing}
         if dims.cp > 1:
             layout["cp"] = dims.cp
+        if dims.ep > 1:
+            layout["ep"] = dims.ep
         if dims.dp_replicate > 1:
             layout.update(dp_shard=dims.dp_shard, dp_replicate=dims.dp_replicate)
         return layout

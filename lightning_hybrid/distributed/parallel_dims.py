@@ -15,6 +15,12 @@ ranks. The mesh then has the dimensions ``("pp", "dp_replicate", "dp_shard", "cp
 ``"dp"`` (the two flattened) as well. Every mesh also answers to ``"dp_cp"`` (dp x cp flattened: the ranks that
 see different tokens and average their gradients) and, with HSDP, ``"dp_shard_cp"`` (what FSDP shards over).
 A dimension ``cp`` of size 1 is left out of the mesh (``mesh["cp"]`` then does not exist).
+
+Expert parallelism (``ep > 1``) is carved from dp: dp splits into ``("edp", "ep")``, ep innermost, so the ranks of
+an ep group are consecutive data-parallel ranks (inside a node where ``ep * cp * tp`` fits) and ``dp = edp_index * ep
++ ep_index``. The mesh then has the dimensions ``("pp", "edp", "ep", "cp", "tp")`` and answers to ``"dp"`` (edp and
+ep flattened) and ``"dp_cp"`` as before, and to ``"edp_cp"`` (edp x cp: the ranks over which FSDP2 shards the experts
+that one ep rank holds; ``"edp"`` without cp).
 """
 
 from __future__ import annotations
@@ -63,6 +69,7 @@ class ParallelDims:
     world_size: int
     cp: int = 1
     dp_replicate: int = 1
+    ep: int = 1
 
     @property
     def dp_shard(self) -> int:
@@ -74,10 +81,15 @@ class ParallelDims:
         """Ranks that see different tokens of one model replica position and average gradients: ``dp * cp``."""
         return self.dp * self.cp
 
+    @property
+    def edp(self) -> int:
+        """Data-parallel ranks holding the same experts (``dp // ep``): FSDP2 shards them over these (and cp)."""
+        return self.dp // self.ep
+
     @classmethod
     def resolve(cls, tp: int, pp: int, dp: Optional[int], world_size: int,
                 devices_per_node: Optional[int] = None, cp: int = 1,
-                dp_shard: Optional[int] = None) -> "ParallelDims":
+                dp_shard: Optional[int] = None, ep: int = 1) -> "ParallelDims":
         for name, value in (("tp", tp), ("pp", pp), ("cp", cp)):
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"{name}={value!r} must be a positive integer")
@@ -105,7 +117,10 @@ class ParallelDims:
                 f"tp={tp} spans nodes unevenly with {devices_per_node} devices per node; use a tp that divides "
                 f"{devices_per_node} ({format_choices(divisors(devices_per_node))})"
             )
-        return cls(tp=tp, pp=pp, dp=dp, world_size=world_size, cp=cp, dp_replicate=replicate)
+        if dp % ep:
+            raise ParallelSizeError(f"ep={ep} does not divide dp={dp} (expert parallelism is carved from the "
+                                    f"data-parallel ranks); use ep in {format_choices(divisors(dp))}")
+        return cls(tp=tp, pp=pp, dp=dp, world_size=world_size, cp=cp, dp_replicate=replicate, ep=ep)
 
     def check_model(self, tp_divisible: dict[str, int], num_blocks: int, stages_per_rank: int = 1) -> None:
         """Check that the model divides over this mesh.
@@ -126,14 +141,16 @@ class ParallelDims:
             )
 
     def coordinates(self, global_rank: int) -> dict[str, int]:
-        """(pp, dp, tp) coordinates of a global rank in the mesh; also ``cp`` when cp > 1, and ``dp_replicate``
-        and ``dp_shard`` under HSDP."""
+        """(pp, dp, tp) coordinates of a global rank in the mesh; also ``cp`` when cp > 1, ``dp_replicate``
+        and ``dp_shard`` under HSDP, and ``ep`` and ``edp`` when ep > 1."""
         tp, cp, dp = self.tp, self.cp, self.dp
         coords = {"pp": global_rank // (dp * cp * tp), "dp": (global_rank // (cp * tp)) % dp, "tp": global_rank % tp}
         if cp > 1:
             coords["cp"] = (global_rank // tp) % cp
         if self.dp_replicate > 1:
             coords["dp_replicate"], coords["dp_shard"] = divmod(coords["dp"], self.dp_shard)
+        if self.ep > 1:
+            coords["edp"], coords["ep"] = divmod(coords["dp"], self.ep)
         return coords
 
 

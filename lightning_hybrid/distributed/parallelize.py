@@ -1,8 +1,9 @@
 """The one parallelize sequence of a declared model (or one pipeline stage of it), and what it sets up around it.
 
 A declared model is parallelized in a fixed order, the same as torchtitan's: float8 conversion of the block
-linears, tensor parallelism, then activation recompute and ``torch.compile`` per block, then FSDP2 over ``dp``,
-then materialization from the meta device. What to apply comes from
+linears, tensor parallelism, expert parallelism (and the mixture-of-experts layers' load statistics over the data
+ranks), then activation recompute and ``torch.compile`` per block, then FSDP2 over ``dp`` (the experts of each ep
+rank over the data ranks left), then materialization from the meta device. What to apply comes from
 :class:`~lightning_hybrid.distributed.options.ParallelOptions` (the options and their derived decisions live there);
 this module applies it.
 """
@@ -17,6 +18,7 @@ from torch import nn
 from lightning_hybrid.distributed.activation_checkpoint import apply_activation_checkpointing, compile_blocks
 from lightning_hybrid.distributed.context_parallel import install_context_parallel
 from lightning_hybrid.distributed.data_parallel import StepWeightCasts, apply_fsdp, torch_dtype, without_autocast
+from lightning_hybrid.distributed.expert_parallel import apply_expert_parallel, experts_tp_plan, shard_experts
 from lightning_hybrid.distributed.float8 import convert_float8, float8_tp_plan
 from lightning_hybrid.distributed.materialize import materialize
 from lightning_hybrid.distributed.mesh import data_mesh
@@ -76,7 +78,8 @@ def setup_runtime(options: ParallelOptions, dims: ParallelDims, precision: str, 
 def parallelize(module: nn.Module, spec: ParallelSpec, options: ParallelOptions, dims: ParallelDims,
                 mesh: "DeviceMesh", device: torch.device, precision: str,
                 convert_module: Callable[[nn.Module], Any]) -> None:
-    """Float8 conversion, TP, recompute/compile, FSDP2, then materialization, of a meta-device model or pipeline stage.
+    """Float8 conversion, TP, EP, recompute/compile, FSDP2, then materialization, of a meta-device model or pipeline
+    stage.
 
     The parameters are allocated (uninitialized) on ``device``; the caller fills them
     (:func:`lightning_hybrid.init_weights.init_parameters` or pretrained weights).
@@ -98,12 +101,17 @@ def parallelize(module: nn.Module, spec: ParallelSpec, options: ParallelOptions,
         install_context_parallel(module, spec, cp_mesh.get_group(), dims.cp, cp_mesh.get_local_rank())
     if dims.tp > 1:
         loss_on_shards = options.loss_on_shards(dims) and getattr(module, spec.head, None) is not None
+        def adjust_plan(plan: dict, block: nn.Module) -> dict:
+            plan = experts_tp_plan(plan, block, spec, options.sequence_parallel)
+            return float8_tp_plan(plan, block, options.float8, mesh["tp"])
+
         apply_tensor_parallel(module, spec, mesh["tp"], options.sequence_parallel, loss_on_shards,
-                              adjust_plan=lambda plan, block: float8_tp_plan(plan, block, options.float8, mesh["tp"]))
+                              adjust_plan=adjust_plan)
         if loss_on_shards and callable(getattr(module, "loss_sum", None)):
             module.loss_sum = vocab_parallel_loss(module.loss_sum, mesh["tp"])
         if options.async_tp:
             enable_async_tp(mesh["tp"])
+    apply_expert_parallel(module, dims, mesh)
     blocks = getattr(module, spec.blocks, None)
     if blocks is not None and len(blocks) > 0:
         apply_activation_checkpointing(blocks, options.activation_checkpointing, options.selective_ac,
@@ -111,6 +119,8 @@ def parallelize(module: nn.Module, spec: ParallelSpec, options: ParallelOptions,
         if options.compile:
             compile_blocks(blocks, parts=spec.block_norm_consumers if dims.tp > 1 else None)
     if options.shards_parameters(dims):
+        shard_experts(module, mesh, dims, options.reshards_after_forward(dims.pp),
+                      torch_dtype(options.param_dtype(precision)), torch_dtype(options.reduction_dtype(precision)))
         apply_fsdp(module, getattr(module, spec.blocks), data_mesh(mesh, dims),
                    param_dtype=torch_dtype(options.param_dtype(precision)),
                    reduce_dtype=torch_dtype(options.reduction_dtype(precision)),

@@ -109,7 +109,7 @@ def block_plan(spec: ParallelSpec, sequence_parallel: bool) -> dict:
         # A per-head norm sees (batch, seq, heads / tp, head_dim) from a colwise projection: its input is a shard of
         # dim 2, its weight whole on every rank; torch's SequenceParallel style on that dim makes the weight a
         # replicated DTensor whose gradient (a partial sum over this rank's heads) is summed over the TP ranks.
-        plan[name] = SequenceParallel(sequence_dim=2)
+        plan[name] = SequenceParallel(sequence_dim=2, use_local_output=True)
     return plan
 
 

@@ -99,6 +99,53 @@ class MemoryPeaks(MemTracker):
         self.exceeded = False  # set when the limit was passed (libraries may wrap the exception in their own)
         self._seen: weakref.WeakSet = weakref.WeakSet()
         self._devices: set[Any] = set()
+        self._uncounted = 0  # > 0 while DTensor propagates shapes (see _shape_propagation_uncounted)
+        self._propagation: contextlib.ExitStack = contextlib.ExitStack()
+
+    def __enter__(self) -> "MemoryPeaks":
+        self._propagation.enter_context(self._shape_propagation_uncounted())
+        try:
+            super().__enter__()
+        except BaseException:
+            self._propagation.close()
+            raise
+        return self
+
+    def __exit__(self, *args: Any) -> None:
+        try:
+            super().__exit__(*args)
+        finally:
+            self._propagation.close()
+
+    @contextlib.contextmanager
+    def _shape_propagation_uncounted(self) -> Iterator[None]:
+        """DTensor's sharding propagator computes an operator's output shape by running it on fake tensors of the
+        *global* shapes (``_propagate_tensor_meta_non_cached``), under the fake mode it finds active: on a GPU a fake
+        mode of its own, which ``MemTracker`` ignores; in a dry run the dry run's, so ``MemTracker`` would count them.
+        They hold no memory in a real run: not counted here. (Loss parallel's backward propagates the full-vocabulary
+        fp32 logits this way: 40 GB of phantoms at the 72B SFT recipe's 32,768 tokens.)"""
+        from torch.distributed.tensor import DTensor
+
+        propagator = DTensor._op_dispatcher.sharding_propagator
+        original = propagator._propagate_tensor_meta_non_cached
+
+        def uncounted(*args: Any, **kwargs: Any) -> Any:
+            self._uncounted += 1
+            try:
+                return original(*args, **kwargs)
+            finally:
+                self._uncounted -= 1
+
+        propagator._propagate_tensor_meta_non_cached = uncounted  # the instance's, found before the class's method
+        try:
+            yield
+        finally:
+            del propagator._propagate_tensor_meta_non_cached
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: Any = None) -> Any:
+        if self._uncounted:
+            return func(*args, **(kwargs or {}))
+        return super().__torch_dispatch__(func, types, args, kwargs)
 
     def _update_snap(self, u_type: Any, winfo: Any, old_mem_consumed: Optional[int] = None,  # type: ignore[override]
                      old_reftype: Any = None) -> None:

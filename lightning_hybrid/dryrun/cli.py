@@ -126,17 +126,30 @@ def role_pool(workers: int) -> Any:
                                initargs=(dict(os.environ),))
 
 
+def _run_rank_in_pool(job: DryRunJob, rank: int, *args: Any) -> Any:
+    """:func:`~lightning_hybrid.dryrun.rank.run_rank` in a pool process: an error comes back as one that pickles
+    (a fake-tensor or pybind exception does not, and the pool would report only that)."""
+    import traceback
+
+    from lightning_hybrid.dryrun.rank import run_rank
+
+    try:
+        return run_rank(job, rank, *args)
+    except ValueError as error:  # the strategy's one-line errors for a layout that does not fit
+        raise ValueError(str(error)) from None
+    except Exception:
+        raise RuntimeError(f"the dry run of rank {rank} failed:\n{traceback.format_exc()}") from None
+
+
 def trace_ranks(job: DryRunJob, ranks: list[int], limit: Optional[float] = None) -> list[Any]:
     """:func:`~lightning_hybrid.dryrun.rank.run_rank` for each rank, each in a fresh process of :func:`role_pool`,
     several at once on a machine with the cores for it. A rank stops as soon as it is certain to hold more than
     ``limit`` bytes."""
     import os
 
-    from lightning_hybrid.dryrun.rank import run_rank
-
     workers = max(1, min(len(ranks), os.cpu_count() or 1))
     with role_pool(workers) as pool:
-        return list(pool.map(run_rank, [job] * len(ranks), ranks, [True] * len(ranks), [0] * len(ranks),
+        return list(pool.map(_run_rank_in_pool, [job] * len(ranks), ranks, [True] * len(ranks), [0] * len(ranks),
                              [None] * len(ranks), [limit] * len(ranks)))
 
 
@@ -149,12 +162,16 @@ def _role_report(job: DryRunJob, role: Role, result: Any, prediction: Any) -> di
     traced = {**result.state, "activations": result.activation_peak, "transient": result.total_peak - state,
               "total": result.total_peak}
     planner = {name: prediction.figures[name] for name in FIGURES}
+    # what the recipe's whole step holds beyond the traced micro-batches (a pipeline's last stage keeps every
+    # micro-batch's logits until the step ends): the planner's difference, added to the traced peak
+    full_step = result.total_peak + max(0.0, prediction.full_step_total - planner["total"])
     return {"ranks": list(role.ranks), "traced_rank": role.traced_rank, "coordinates": result.coordinates,
             "stages": list(role.stages), "traced": traced, "planner": planner,
             "ratio": {k: _ratio(traced[k], planner[k]) for k in planner},
             "peak_breakdown": result.peak, "kind_peaks": result.kind_peaks, "collectives": result.collectives,
             "planner_collectives": prediction.collectives,
-            "fits": result.total_peak <= prediction.usable and result.stopped is None, "stopped": result.stopped,
+            "full_step": {"traced_plus_planned": full_step, "planner": prediction.full_step_total},
+            "fits": full_step <= prediction.usable and result.stopped is None, "stopped": result.stopped,
             "seconds": round(result.seconds, 2), "max_rss_bytes": result.max_rss}
 
 
@@ -212,6 +229,10 @@ def format_report(report: dict[str, Any]) -> str:
             row += f" | {_gb(r['traced'][name]):>11} {_gb(r['planner'][name]):>8} " \
                    f"{('-' if ratio is None else f'{ratio:.3f}'):>5}"
         lines.append(row + ("" if r["fits"] else "  DOES NOT FIT"))
+        full = r.get("full_step", {}).get("traced_plus_planned", r["traced"]["total"])
+        if full > r["traced"]["total"] * 1.001:
+            lines.append(f"{'':<16} the recipe's {report['microbatches']} micro-batches: {_gb(full)} GB (traced total "
+                         f"+ the planner's bytes of the untraced micro-batches' logits the last stage keeps)")
     lines += ["", "collectives of the traced micro-batches per mesh dimension: calls x MB, traced / planner (MB ratio)"]
     for r in report["roles"]:
         lines.append(f"  rank {r['traced_rank']}: " + "; ".join(_collective_parts(r)))
@@ -243,7 +264,7 @@ def _not_fitting(report: dict[str, Any]) -> list[str]:
         rank, c = r["rank_coordinates"][0]
         b = r["peak_breakdown"]
         parts = ", ".join(f"{k.lower()} {v / 1e9:.1f}" for k, v in b.items() if k != "Total" and v)
-        peak, where = f"peak {r['traced']['total'] / 1e9:.1f} GB", "GB at the peak"
+        peak, where = f"peak {r['full_step']['traced_plus_planned'] / 1e9:.1f} GB", "GB at the traced peak"
         if r.get("stopped") == "model state":
             peak, where = f"model state {r['traced']['total'] / 1e9:.1f} GB", "activations not traced; GB"
         elif r.get("stopped") == "step":

@@ -23,6 +23,7 @@ class Prediction:
     figures: dict[str, float]
     usable: float
     collectives: Optional[dict[str, dict[str, list[int]]]] = None  # None: a layout the planner does not count
+    full_step_total: float = 0.0  # the planner's total for the recipe's whole step (all its micro-batches)
 
 
 def usable_bytes(gpu: str, device_memory_gib: Optional[float]) -> float:
@@ -46,14 +47,17 @@ def usable_bytes(gpu: str, device_memory_gib: Optional[float]) -> float:
     return max(0.0, (gb - hw.reserved_gb) * (1 - hw.fragmentation)) * 1e9
 
 
-def _layout(job: DryRunJob, dims: Any, options: Any) -> Any:
+def _layout(job: DryRunJob, dims: Any, options: Any, microbatches: Optional[int] = None) -> Any:
+    """The planner's layout of ``job``, with ``microbatches`` of the recipe's size per step (default: the recipe's
+    count)."""
     from lightning_hybrid.planner.layout import Layout
 
     m = options.num_microbatches if dims.pp > 1 else 1
     return Layout(tp=dims.tp, pp=dims.pp, dp=dims.dp, data_parallel=options.data_parallel,
-                  micro_batch_size=job.batch_size // m, microbatches=m,
-                  schedule=options.pp_schedule if dims.pp > 1 else "none", virtual_stages=options.virtual_stages,
-                  recompute=options.activation_checkpointing, sequence_parallel=options.sequence_parallel,
+                  micro_batch_size=job.batch_size // m, microbatches=microbatches if dims.pp > 1 and microbatches
+                  else m, schedule=options.pp_schedule if dims.pp > 1 else "none",
+                  virtual_stages=options.virtual_stages, recompute=options.activation_checkpointing,
+                  sequence_parallel=options.sequence_parallel, cp=dims.cp,
                   dp_shard=dims.dp_shard if options.data_parallel == "hsdp" else 0)
 
 
@@ -61,8 +65,9 @@ def predict(job: DryRunJob, config: Any, dims: Any, options: Any, result: RankRe
             usable: float, traced_microbatches: int = 1) -> Prediction:
     """The planner's figures for ``result``'s rank: its exact state bytes at the rank's coordinates
     (:func:`~lightning_hybrid.planner.memory.rank_memory`), its memory breakdown for the rank's pipeline
-    coordinate (activations held at the peak, total), and the collectives of a step with ``traced_microbatches``
-    micro-batches (:func:`~lightning_hybrid.planner.collectives.predicted_collectives`)."""
+    coordinate (activations held at the peak, total) in a step of ``traced_microbatches`` micro-batches, its total in
+    the recipe's whole step, and the collectives of the traced step
+    (:func:`~lightning_hybrid.planner.collectives.predicted_collectives`)."""
     from lightning_hybrid.distributed.pipeline.schedules import V_SHAPED
     from lightning_hybrid.hardware import SYSTEM_GPUS
     from lightning_hybrid.planner.collectives import predicted_collectives
@@ -74,16 +79,19 @@ def predict(job: DryRunJob, config: Any, dims: Any, options: Any, result: RankRe
 
     c = result.coordinates
     stage_style = "v" if options.pp_schedule in V_SHAPED else "loop"
-    # FSDP shards over dp, HSDP inside groups of dp_shard consecutive dp ranks (dp_shard == dp without HSDP): the
-    # rank's state is FSDP's over its shard group
+    # FSDP shards over dp x cp, HSDP inside groups of dp_shard consecutive dp ranks (dp_shard == dp without HSDP) x cp:
+    # the rank's state is FSDP's over its shard group, where its index is (dp within the group, cp) flattened
     mode = "fsdp" if options.data_parallel == "hsdp" else options.data_parallel
-    state = rank_memory(config, dims.tp, dims.pp, dims.dp_shard, mode, c["pp"], c["tp"], c["dp"] % dims.dp_shard,
+    shard_index = (c["dp"] % dims.dp_shard) * dims.cp + c.get("cp", 0)
+    state = rank_memory(config, dims.tp, dims.pp, dims.dp_shard * dims.cp, mode, c["pp"], c["tp"], shard_index,
                         job.precision, "adamw", options.virtual_stages, stage_style)
     hw = Hardware(SYSTEM_GPUS[gpu], job.world_size, job.devices_per_node)
     problem = Problem(config, hw, job.seq_len, job.batch_size * dims.dp, job.precision,
                       runtime=runtime_from_options(job.strategy, job.precision))
     layout = _layout(job, dims, options)
-    memory = rank_memory_breakdown(problem, layout, c["pp"])
+    # at the traced micro-batches; what grows with their count beyond those in flight (a schedule that keeps its
+    # outputs) is added to the traced peak for the recipe's whole step by the report (full_step_total)
+    memory = rank_memory_breakdown(problem, _layout(job, dims, options, traced_microbatches), c["pp"])
     figures = {"parameters": state["param_bytes"], "gradients": state["grad_bytes"],
                "optimizer": state["optimizer_bytes"], "activations": memory["activations"],
                "total": memory["total"],
@@ -95,4 +103,4 @@ def predict(job: DryRunJob, config: Any, dims: Any, options: Any, result: RankRe
                                             reshard_after_forward=options.fsdp_reshard_after_forward)
     except ValueError:  # cp, HSDP and multi-stage schedules are not counted by the planner
         collectives = None
-    return Prediction(figures, usable, collectives)
+    return Prediction(figures, usable, collectives, rank_memory_breakdown(problem, layout, c["pp"])["total"])

@@ -22,6 +22,7 @@ from typing import Any, Optional
 
 import torch
 
+from lightning_hybrid.distributed.context_parallel import shard_batch
 from lightning_hybrid.distributed.data_parallel import torch_dtype
 from lightning_hybrid.dryrun.accounting import (
     CollectiveCounter,
@@ -233,7 +234,8 @@ def _build_and_trace(job: DryRunJob, rank: int, fake: bool, warmup_steps: int, s
         return result
     generator = torch.Generator().manual_seed(job.seed)
     ids = torch.randint(0, module.config.vocab_size, (job.batch_size, job.seq_len), generator=generator)
-    batch = (ids, ids.clone())
+    # as the strategy's batch_to_device in Lightning's loop: under cp > 1 a rank keeps its share of each sequence
+    batch = shard_batch((ids, ids.clone()), strategy)
     for _ in range(warmup_steps):
         _step(trainer, module, batch)
     if fake and warmup_steps == 0:

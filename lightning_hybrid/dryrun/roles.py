@@ -3,9 +3,9 @@
 A rank's program is fixed by its pipeline coordinate (which stages it holds, so which blocks, the embedding or the
 head, and its place in the schedule) and by the shapes of its local shards. Tensor-parallel shards are equal on
 every tp coordinate (the strategy refuses sizes that do not divide); FSDP2 splits each TP-local tensor on dim 0 with
-``torch.chunk`` rules, which may leave the last dp coordinates fewer rows. Two ranks with the same pipeline
-coordinate and the same local shard shapes run the same operations on tensors of the same shapes and issue the same
-collectives on their own groups: their bytes and collective counts are equal, so one trace stands for all of them.
+``torch.chunk`` rules over dp x cp, which may leave the last (dp, cp) coordinates fewer rows. Two ranks with the same
+pipeline coordinate and the same local shard shapes run the same operations on tensors of the same shapes and issue
+the same collectives on their own groups: their bytes and collective counts are equal, so one trace stands for all.
 """
 
 from __future__ import annotations
@@ -37,15 +37,18 @@ class Role:
 
 
 def _shard_shapes(config: Any, dims: ParallelDims, fsdp: bool, stage_plans: list[Any], num_stages: int,
-                  tp_rank: int, dp_rank: int) -> tuple:
+                  tp_rank: int, dp_rank: int, cp_rank: int = 0) -> tuple:
     blocks = [b for plan in stage_plans for b in range(plan.first_block, plan.last_block)]
     shapes = rank_parameter_shapes(config, dims.tp, tp_rank, blocks, embedding=any(p.has_embedding for p in
                                    stage_plans), head=any(p.has_head for p in stage_plans),
                                    num_stages=num_stages)
-    shards = dims.dp_shard  # FSDP shards over dp, HSDP inside groups of dp_shard consecutive dp ranks
+    # FSDP shards over dp x cp, HSDP inside groups of dp_shard consecutive dp ranks x cp; the rank's index there is
+    # (dp within the group, cp) flattened
+    shards = dims.dp_shard * dims.cp
     if not (fsdp and shards > 1):
         return tuple(shapes.values())
-    return tuple((chunk_rows(s[0], shards, dp_rank % shards), *s[1:]) for s in shapes.values())
+    index = (dp_rank % dims.dp_shard) * dims.cp + cp_rank
+    return tuple((chunk_rows(s[0], shards, index), *s[1:]) for s in shapes.values())
 
 
 def rank_roles(config: Any, spec: Any, dims: ParallelDims, options: Any) -> list[Role]:
@@ -58,7 +61,7 @@ def rank_roles(config: Any, spec: Any, dims: ParallelDims, options: Any) -> list
         c = dims.coordinates(rank)
         stages = tuple(stage_ids_for_rank(c["pp"], dims.pp, options.virtual_stages, options.pp_schedule))
         signature = _shard_shapes(config, dims, fsdp, [plans[s] for s in stages], num_stages, c["tp"],
-                                   c["dp"])
+                                   c["dp"], c.get("cp", 0))
         groups[(c["pp"], stages, signature)].append(rank)
     return [Role(pp, stages, tuple(ranks)) for (pp, stages, _), ranks in sorted(groups.items(), key=lambda kv: kv[1])]
 

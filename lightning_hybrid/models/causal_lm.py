@@ -15,6 +15,7 @@ from torchmetrics import MeanMetric
 from lightning_hybrid.init_weights import init_parameters
 from lightning_hybrid.models.decoder.config import DecoderConfig, flops_per_token, parallel_spec
 from lightning_hybrid.models.decoder.model import Decoder, parameter_init
+from lightning_hybrid.models.decoder.moe import METRICS, moe_layers, step_metrics
 from lightning_hybrid.models.spec import ParallelSpec, token_mean_loss
 
 __all__ = ["CausalLM", "split_batch", "position_ids_of", "LR_SCHEDULES"]
@@ -168,8 +169,11 @@ class CausalLM(pl.LightningModule):
             from lightning_hybrid.models.decoder.hf import load_hf_weights
 
             load_hf_weights(model, self.hparams.init_from_hf, self.config)
-            return
-        init_parameters(model, seed, functools.partial(parameter_init, self.config))
+        else:
+            init_parameters(model, seed, functools.partial(parameter_init, self.config))
+        for layer in moe_layers(model).values():  # buffers are not parameters: the routing bias starts at zero
+            if layer.gate.e_score_correction_bias is not None:
+                layer.gate.e_score_correction_bias.zero_()
 
     def forward(self, input_ids: Tensor, position_ids: Optional[Tensor] = None) -> Tensor:
         assert self.model is not None, "call configure_model() first"
@@ -200,6 +204,9 @@ class CausalLM(pl.LightningModule):
 
     def training_step(self, batch: Any, batch_idx: int) -> Tensor:
         input_ids, labels = split_batch(batch)
+        if self._declared_runner() is None:  # a pipeline weighs its micro-batches' balancing gradients itself
+            for layer in moe_layers(self.model).values():
+                layer.grad_scale = 1.0 / self.trainer.accumulate_grad_batches
         loss, value, _ = self._global_loss(input_ids, labels, train=True, position_ids=position_ids_of(batch))
         self.log("train_loss", value, prog_bar=True)
         self.log("train_ppl", torch.exp(value))
@@ -250,6 +257,34 @@ class CausalLM(pl.LightningModule):
         # zero them; the strategy zeroes them after each optimizer step instead.
         if self._declared_runner() is None:
             super().optimizer_zero_grad(epoch, batch_idx, optimizer)
+
+    # ------------------------------------------------------------------ mixture of experts
+
+    def on_before_optimizer_step(self, optimizer: Any) -> None:
+        """Log each sparse layer's step (:data:`~lightning_hybrid.models.decoder.moe.METRICS`): its load balance, its
+        load-balancing loss and its dropped tokens, gathered from every pipeline stage (one small sum over the
+        ranks), and their summary (``moe/aux_loss``: the mean over the layers, ``moe/load_max_over_mean``: the
+        worst layer)."""
+        if not self.config.has_experts:
+            return
+        table = step_metrics(moe_layers(self.model), self.config.num_hidden_layers, self.device)
+        strategy = self._strategy()
+        if strategy is not None and strategy.world_size > 1:
+            table = strategy.reduce(table, reduce_op="sum")
+        present = table[:, -1] > 0
+        values = table[:, :-1] / table[:, -1:].clamp(min=1)
+        for index in present.nonzero().flatten().tolist():
+            for name, value in zip(METRICS, values[index]):
+                self.log(f"moe/layer_{index}/{name}", value.float())
+        if present.any():
+            self.log("moe/aux_loss", values[present, 1].mean().float())
+            self.log("moe/load_max_over_mean", values[present, 0].max().float())
+            self.log("moe/dropped_tokens", values[present, 2].sum().float())
+
+    def optimizer_step(self, *args: Any, **kwargs: Any) -> None:
+        super().optimizer_step(*args, **kwargs)
+        for layer in moe_layers(self.model).values():  # the routing bias moves after the step; statistics restart
+            layer.end_step()
 
     # ------------------------------------------------------------------ optimization
 

@@ -15,13 +15,28 @@ from typing import TYPE_CHECKING, Any, Optional
 if TYPE_CHECKING:
     from torch import Tensor
 
-__all__ = ["ParallelSpec", "TP_STYLES", "IGNORE_INDEX", "declared_spec", "token_mean_loss"]
+__all__ = ["ParallelSpec", "TP_STYLES", "IGNORE_INDEX", "EXPERTS_LAYER", "declared_spec", "token_mean_loss",
+           "is_experts_layer", "experts_layers"]
 
 # Label value that the loss ignores (padding, prompt tokens), as in torch's cross_entropy and Hugging Face.
 IGNORE_INDEX = -100
 
 # The tensor-parallel styles a plan may name; the strategy maps them onto torch's TP styles.
 TP_STYLES = ("colwise", "rowwise")
+
+# What a mixture-of-experts layer (a block's ``ParallelSpec.block_experts``; the decoder core's
+# ``models/decoder/moe.py``) holds for a strategy to read and set, by name:
+# - ``num_experts`` (read) and ``experts``: a module whose parameters are the experts' weights with the experts first
+#   (expert parallelism shards them on dim 0); calling it with ``(tokens sorted by expert, rows per expert)`` computes
+#   the experts it holds;
+# - ``dispatch(rows, counts, experts)``: the outputs of the routed (token, expert) rows, sorted by expert (``counts[e]``
+#   rows for expert ``e``), in the same order: ``experts(rows, counts)`` on one device, an all-to-all to the experts'
+#   ranks and back under ``ep>1``;
+# - ``reduce_load(stats)``: sums the layer's load statistics over the ranks that see different tokens (no gradient);
+# - ``data_ranks``: how many such ranks average their gradients;
+# - ``grad_scale``: the weight of this micro-batch's load-balancing gradient (1 / micro-batches per optimizer step);
+# - ``stats.keep_last(n)``: keep the statistics of the step's last ``n`` forwards only.
+EXPERTS_LAYER = ("num_experts", "experts", "dispatch", "reduce_load", "data_ranks", "grad_scale", "stats")
 
 
 @dataclass(frozen=True)
@@ -63,7 +78,12 @@ class ParallelSpec:
             :class:`~lightning_hybrid.models.decoder.rope.RotaryTables`, called with the hidden states), or
             ``None``. Under sequence parallelism it is handed the hidden states' sequence shard as a DTensor, so the
             tables cover the whole sequence the attention sees.
+        block_experts: attribute of a block holding its mixture-of-experts layer in the blocks that have one (an
+            experts layer: see :data:`EXPERTS_LAYER`); ``None``: the model has none. Expert parallelism
+            (``ep>1``) splits those layers' experts, and ``block_plan`` entries under this attribute apply only to the
+            blocks where it holds a dense MLP.
         tp_divisible: config field -> value that the tensor-parallel size must divide.
+        ep_divisible: config field -> value that the expert-parallel size must divide (``num_experts``).
         block_cost: relative compute cost of one block (for pipeline balancing).
         embedding_cost: relative cost of the embedding, in the same unit.
         head_cost: relative cost of final norm plus head plus loss, in the same unit.
@@ -81,7 +101,9 @@ class ParallelSpec:
     attention_core: Optional[str] = None
     fused_projections: dict[str, tuple[str, ...]] = field(default_factory=dict)
     rotary: Optional[str] = None
+    block_experts: Optional[str] = None
     tp_divisible: dict[str, int] = field(default_factory=dict)
+    ep_divisible: dict[str, int] = field(default_factory=dict)
     block_cost: float = 1.0
     embedding_cost: float = 0.0
     head_cost: float = 0.0
@@ -112,6 +134,16 @@ def declared_spec(module: Any) -> Optional[ParallelSpec]:
         raise TypeError(f"{type(module).__name__}.parallel_spec() returned {type(spec).__name__}, not a ParallelSpec; "
                         f"return lightning_hybrid.models.spec.ParallelSpec(...) or remove the method")
     return spec
+
+
+def is_experts_layer(module: Any) -> bool:
+    """Whether ``module`` is a mixture-of-experts layer (it has every attribute of :data:`EXPERTS_LAYER`)."""
+    return all(hasattr(module, name) for name in EXPERTS_LAYER)
+
+
+def experts_layers(module: Any) -> list[Any]:
+    """The mixture-of-experts layers inside ``module`` (a model, a pipeline stage), in module order."""
+    return [m for m in module.modules() if is_experts_layer(m)]
 
 
 def token_mean_loss(loss_sum: "Tensor", global_count: "Tensor", data_ranks: int = 1,

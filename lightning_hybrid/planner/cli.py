@@ -8,18 +8,25 @@ import math
 import sys
 from typing import Optional
 
-from lightning_hybrid.hardware import GPU, SYSTEM_GPUS
+from lightning_hybrid.hardware import SYSTEM_GPUS
 from lightning_hybrid.models.qwen2.config import PRESETS, Qwen2Config
-from lightning_hybrid.planner.calibrate import calibrate_hardware, load_preflight
 from lightning_hybrid.planner.interval import (
     DEFAULT_GPU_MTBF_HOURS,
     DEFAULT_RESTART_SECONDS,
     DEFAULT_STORAGE_GBPS,
     checkpoint_plan,
 )
-from lightning_hybrid.planner.layout import Estimate, Layout, Problem
+from lightning_hybrid.planner.layout import Estimate, Problem
 from lightning_hybrid.planner.memory import OPTIMIZERS, PRECISIONS
-from lightning_hybrid.planner.recipe_plan import format_recipe_plan, plan_recipe
+from lightning_hybrid.planner.recipe_cli import (
+    EXPLAIN_BEST,
+    check_positive,
+    given_flags,
+    hardware_flags,
+    run_recipe_plan,
+)
+from lightning_hybrid.planner.recipe_plan import FLOAT8_OFF
+from lightning_hybrid.planner.report import explain_time, format_table, gpu_figures
 from lightning_hybrid.planner.runtime import runtime_features, runtime_from_options
 from lightning_hybrid.planner.search import explain, search
 from lightning_hybrid.planner.step_time import GEMM_PEAK_EFFICIENCY, Hardware
@@ -27,7 +34,6 @@ from lightning_hybrid.planner.step_time import GEMM_PEAK_EFFICIENCY, Hardware
 __all__ = ["build_parser", "build_problem", "run_plan", "assumptions", "explain_time", "format_table"]
 
 DEFAULT_BATCH_TOKENS = 4 * 1024 * 1024
-EXPLAIN_BEST = "best"  # `--explain` without a value: the chosen (fastest fitting) layout
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -49,8 +55,12 @@ def build_parser() -> argparse.ArgumentParser:
                    help=f"sequences per optimizer step (default: {DEFAULT_BATCH_TOKENS} tokens / seq-len)")
     p.add_argument("--precision", default="bf16-mixed", choices=sorted(PRECISIONS),
                    help="Lightning precision (bf16-mixed: fp32 weights, gradients and AdamW states)")
-    p.add_argument("--float8", choices=("tensorwise", "rowwise", "mxfp8"), default=None,
-                   help="float8 block linears (HybridParallelStrategy(float8=...)); MFU stays against the bf16 peak")
+    p.add_argument("--float8", choices=("tensorwise", "rowwise", "mxfp8", FLOAT8_OFF), default=None,
+                   help="float8 block linears (HybridParallelStrategy(float8=...); 'none': bf16, e.g. to plan a float8 "
+                        "recipe without it); MFU stays against the bf16 peak")
+    p.add_argument("--fused-projections", action=argparse.BooleanOptionalAction, default=None,
+                   help="q/k/v and gate/up run as one GEMM each (this project's model: on; off: five GEMMs, as "
+                        "torchtitan and Hugging Face models run them)")
     p.add_argument("--optimizer", default="adamw", choices=sorted(OPTIMIZERS), help="optimizer (adamw)")
     p.add_argument("--gpu-memory-gb", type=float, help="GPU memory in GB (overrides the GPU type)")
     p.add_argument("--peak-tflops", type=float, help="dense bf16 peak TFLOP/s per GPU (overrides the GPU type)")
@@ -77,11 +87,6 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def _positive(name: str, value: Optional[float]) -> None:
-    if value is not None and not value > 0:
-        raise ValueError(f"{name}={value} must be positive")
-
-
 def build_problem(args: argparse.Namespace) -> Problem:
     """The :class:`Problem` described by parsed flags.
 
@@ -90,23 +95,19 @@ def build_problem(args: argparse.Namespace) -> Problem:
     """
     if args.gpus is None:
         raise ValueError("--gpus is required (or plan a recipe with --config RECIPE.yaml)")
-    for name in ("gpus", "gpus_per_node", "seq_len", "global_batch", "gpu_memory_gb", "peak_tflops",
-                 "intra_node_gbps", "inter_node_gbps", "mtbf_hours", "save_seconds", "compute_efficiency",
-                 "link_efficiency", "top"):
-        _positive("--" + name.replace("_", "-"), getattr(args, name))
+    check_positive(args)
     if args.gpus % args.gpus_per_node and args.gpus > args.gpus_per_node:
         raise ValueError(f"--gpus={args.gpus} is not a whole number of nodes of --gpus-per-node={args.gpus_per_node}; "
                          f"use a multiple of {args.gpus_per_node}")
     config = Qwen2Config.resolve(args.model)
-    hw = Hardware(SYSTEM_GPUS[args.gpu or "h100"], args.gpus, min(args.gpus_per_node, args.gpus),
-                  compute_efficiency=args.compute_efficiency, link_efficiency=args.link_efficiency)
-    hw = hw.with_overrides(args.gpu_memory_gb, args.peak_tflops, args.intra_node_gbps, args.inter_node_gbps)
-    if getattr(args, "calibrate", None):
-        hw = calibrate_hardware(hw, load_preflight(args.calibrate))
+    hw = hardware_flags(args, Hardware(SYSTEM_GPUS[args.gpu or "h100"], args.gpus, min(args.gpus_per_node, args.gpus)))
     batch = args.global_batch or max(1, DEFAULT_BATCH_TOKENS // args.seq_len)
+    float8 = getattr(args, "float8", None)
+    fused = getattr(args, "fused_projections", None)
     # the strategy's defaults: what `fit` runs when a recipe sets none of the runtime options (and --float8)
     return Problem(config, hw, args.seq_len, batch, args.precision, args.optimizer,
-                   runtime=runtime_from_options({"float8": getattr(args, "float8", None)}, args.precision))
+                   runtime=runtime_from_options({"float8": None if float8 == FLOAT8_OFF else float8}, args.precision,
+                                                fused_projections=fused is not False))
 
 
 def assumptions(p: Problem) -> list[str]:
@@ -154,69 +155,6 @@ def assumptions(p: Problem) -> list[str]:
     ]
 
 
-def gpu_figures(gpu: GPU) -> dict[str, object]:
-    """The GPU's figures the plan used, as the JSON report lists them (peaks in TFLOP/s)."""
-    return {"name": gpu.name, "memory_gb": gpu.memory_gb, "peak_tflops": gpu.peak_tflops,
-            "fp32_tflops": gpu.fp32_tflops, "nvlink_gbs": gpu.nvlink_gbs, "network_gbits": gpu.network_gbits,
-            "hbm_tbs": gpu.hbm_tbs, "nvlinks": gpu.nvlinks, "pcie_gen": gpu.pcie_gen}
-
-
-def _gb(x: float) -> str:
-    return f"{x / 1e9:.1f}"
-
-
-def _dp_mode(layout: Layout) -> str:
-    """The data-parallel column: the mode, HSDP with its shard group (``hsdp/8``), ``none`` without dp."""
-    if layout.dp == 1:
-        return "none"
-    return f"hsdp/{layout.dp_shard}" if layout.data_parallel == "hsdp" else layout.data_parallel
-
-
-def format_table(rows: list[Estimate]) -> str:
-    """The ranked table: layout, memory breakdown (GB), step time breakdown (s), MFU, tokens/s."""
-    head = (f"{'#':>3} {'tp':>2} {'cp':>2} {'pp':>3} {'dp':>3} {'dp-mode':<9} {'mbs':>3} {'m':>4} {'schedule':<13} "
-            f"{'recomp':<9} {'sp':<2} | {'wts':>5} {'grad':>5} {'opt':>5} {'act':>6} {'other':>5} {'total':>6} "
-            f"/{'usable':>6} | {'step':>6} {'comp':>6} {'recomp':>6} {'tp+cp':>6} {'bubble':>6} {'dp':>6} | {'MFU':>5} "
-            f"{'tok/s':>8}")
-    lines = [head, "-" * len(head)]
-    for i, e in enumerate(rows, 1):
-        L, m, t = e.layout, e.memory, e.time
-        sched = "-" if L.pp == 1 else L.schedule.replace("interleaved_", "il-") + (
-            f" v={L.virtual_stages}" if L.virtual_stages > 1 else "")
-        other = m["working"] + m["fsdp_buffers"] + m["autocast_copies"]
-        lines.append(
-            f"{i:>3} {L.tp:>2} {L.cp:>2} {L.pp:>3} {L.dp:>3} {_dp_mode(L):<9} "
-            f"{L.micro_batch_size:>3} {L.microbatches:>4} {sched:<13} {L.recompute:<9} "
-            f"{('y' if L.sequence_parallel else 'n'):<2} | {_gb(m['weights']):>5} {_gb(m['gradients']):>5} "
-            f"{_gb(m['optimizer']):>5} {_gb(m['activations']):>6} {_gb(other):>5} {_gb(m['total']):>6} "
-            f"/{_gb(e.usable):>6} | {t['step']:>6.2f} {t['compute']:>6.2f} {t['recompute']:>6.2f} "
-            f"{t['tp_comm'] + t.get('cp_comm', 0.0):>6.2f} {t['pp_bubble']:>6.2f} "
-            f"{t['dp_comm'] + t['optimizer']:>6.2f} | {e.mfu:>5.1%} "
-            f"{e.tokens_per_second:>8.0f}")
-    return "\n".join(lines)
-
-
-def explain_time(e: Estimate) -> list[str]:
-    """How a layout's step time splits: compute (GEMMs with their efficiency, attention, elementwise ops), exposed
-    TP, exposed DP, pipeline bubble, recompute and the optimizer step, one line each."""
-    t, d = e.time, e.detail
-    step = t["step"]
-    effs = ", ".join(f"{name} {eff:.2f}" for name, eff in d["gemm_efficiencies"].items())
-    shape = d["gemm_shapes"]
-    rows = [("compute", t["compute"], f"GEMMs {d['gemm']:.2f} s at {d['gemm_efficiency']:.2f} of peak "
-             f"(FLOP-weighted; per GEMM {effs}; tokens x in x out e.g. q {' x '.join(map(str, shape['q']))}), "
-             f"attention {d['attention']:.2f} s, elementwise ops {d['elementwise']:.2f} s"),
-            ("exposed TP", t["tp_comm"], "activation all-reduces (or SP reduce-scatter + all-gather) in the "
-             "critical path, 4 per block and micro-batch"),
-            ("exposed DP", t["dp_comm"], "gradient all-reduce / FSDP gathers and reduce-scatters not hidden"),
-            ("bubble", t["pp_bubble"], "pipeline warm-up and cool-down, with their point-to-point transfers"),
-            ("recompute", t["recompute"], "the forward re-run in backward"),
-            ("optimizer", t["optimizer"], "AdamW step at HBM bandwidth")]
-    lines = [f"step time of {e.layout.describe()}: {step:.2f} s, MFU {e.mfu:.1%}, {e.tokens_per_second:,.0f} tokens/s"]
-    lines += [f"  {name:<11} {sec:>7.2f} s {sec / step:>6.1%}  {why}" for name, sec, why in rows]
-    return lines
-
-
 def _nothing_fits(p: Problem, infeasible: list[Estimate]) -> str:
     usable = p.hw.usable_bytes / 1e9
     where = f"{p.config.name} at seq {p.seq_len} on {p.hw.gpus} x {p.hw.gpu.name} ({usable:.1f} GB usable per GPU)"
@@ -237,7 +175,7 @@ def run_plan(argv: Optional[list[str]] = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     if args.config:
-        return _run_recipe_plan(args)
+        return run_recipe_plan(args, given_flags(build_parser, argv))
     try:
         p = build_problem(args)
         explain_meshes = [_parse_mesh(s) for s in args.explain if s != EXPLAIN_BEST]
@@ -271,25 +209,6 @@ def run_plan(argv: Optional[list[str]] = None) -> int:
     if not feasible:  # the reason and the fix come last, where a user looks first
         print(message, file=sys.stderr, flush=True)
     return 0 if feasible else 2
-
-
-def _run_recipe_plan(args: argparse.Namespace) -> int:
-    """``plan --config``: the recipe's own layout beside the fastest; 0 when the recipe's layout fits, 1 when not,
-    2 on a bad recipe."""
-    try:
-        plan = plan_recipe(args.config, args.gpu)
-    except ValueError as err:
-        print(f"lightning-hybrid plan: error: {err}", file=sys.stderr)
-        return 2
-    if args.json:
-        print(json.dumps(plan.to_dict(), indent=1))
-    else:
-        print("\n".join(format_recipe_plan(plan)))
-        if args.explain:
-            for e in (plan.recipe, plan.fastest):
-                if e is not None:
-                    print("\n" + "\n".join(explain_time(e)))
-    return 0 if plan.recipe.fits else 1
 
 
 def _explained_estimates(best: bool, feasible: list[Estimate], meshes: list[tuple[int, int, str]]) -> list[Estimate]:

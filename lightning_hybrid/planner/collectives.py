@@ -155,16 +155,20 @@ def _tensor_parallel(add: Add, problem: "Problem", layout: "Layout", pp_rank: in
     if not layout.sequence_parallel:
         add("tp", "all_reduce", m * (len(blocks) * (2 + COLWISE_PER_BLOCK) + replayed + embedding + head), act)
         add("tp", "all_gather", m * head * bool(logits), logits)
-        return
-    add("tp", "all_gather", m * (4 * len(blocks) + 2 * replayed + embedding + head), act)
-    add("tp", "reduce_scatter", m * (4 * len(blocks) + replayed + embedding + head), act)
-    add("tp", "all_gather", m * head * bool(logits), logits)
-    # the norm weights' partial gradients are reduced by FSDP's gradient reduction only (none without FSDP)
-    norms = (2 * len(blocks) + head) if layout.data_parallel == "fsdp" and layout.dp > 1 else 0
-    if layout.pp > 1:
-        add("tp", "all_reduce", norms, c.hidden_size * 4)  # accumulated in fp32, reduced at the step's end
     else:
-        add("tp", "all_reduce", m * norms, c.hidden_size * b)
+        add("tp", "all_gather", m * (4 * len(blocks) + 2 * replayed + embedding + head), act)
+        add("tp", "reduce_scatter", m * (4 * len(blocks) + replayed + embedding + head), act)
+        add("tp", "all_gather", m * head * bool(logits), logits)
+    # the norm weights' partial gradients (block norms under sequence parallel; Qwen3's per-head q/k norms, which see
+    # a shard of the heads, always) are reduced by FSDP's gradient reduction only (none without FSDP)
+    fsdp = layout.data_parallel == "fsdp" and layout.dp > 1
+    reductions = [(2 * len(blocks) + head, c.hidden_size)] if layout.sequence_parallel else []
+    reductions += [(2 * len(blocks), c.head_dim)] if c.qk_norm else []
+    for count, width in reductions if fsdp else []:
+        if layout.pp > 1:
+            add("tp", "all_reduce", count, width * 4)  # accumulated in fp32, reduced at the step's end
+        else:
+            add("tp", "all_reduce", m * count, width * b)
 
 
 def _unit_numel(shapes: dict[str, tuple[int, ...]], dp: int) -> int:

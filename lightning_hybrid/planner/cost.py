@@ -14,6 +14,7 @@ from dataclasses import dataclass, fields
 
 from lightning_hybrid.models.qwen2.config import flops_per_token
 from lightning_hybrid.planner.collectives import fsdp_block_gathers, tp_all_reduce_equivalents
+from lightning_hybrid.planner.context_parallel import blockwise_attention_seconds, cp_block_seconds
 from lightning_hybrid.planner.layout import Estimate, Layout, Problem
 from lightning_hybrid.planner.layout_memory import (
     LOW_PRECISION_BYTES,
@@ -32,6 +33,7 @@ from lightning_hybrid.planner.step_time import (
     elementwise_bytes,
     gemm_efficiency,
 )
+from lightning_hybrid.planner.tp_comm import tp_block_seconds
 
 __all__ = ["estimate", "P2P_PER_BOUNDARY", "OPTIMIZER_PARAM_PASSES", "OPTIMIZER_GRAD_PASSES",
            "OPTIMIZER_STATE_PASSES", "LOSS_BYTES_PER_LOGIT"]
@@ -147,42 +149,31 @@ def _block_work(problem: Problem, layout: Layout, tokens: int) -> _Work:
 def _compute_block_work(problem: Problem, layout: Layout, tokens: int) -> _Work:
     """:func:`_block_work` without the memo (it reads only the layout fields in the memo's key)."""
     c, rt = problem.config, problem.runtime
-    shapes = block_gemms(c, layout.tp)
+    shapes = block_gemms(c, layout.tp, rt.fused_projections)
     gemms = {name: _gemm_seconds(problem, tokens, k, n, float8=True) for name, (k, n) in shapes.items()}
     attention_flops = 12 * tokens * c.num_attention_heads * c.head_dim / layout.tp * problem.seq_len
     attention = attention_flops / (problem.hw.peak_flops(problem.precision) * problem.time_model.attention_efficiency)
+    replayed_attention = attention / 3  # what a full recompute of the block adds
+    if layout.cp > 1 and rt.ring_attention == "blockwise":  # this project's core: fp32 matmuls, block by block
+        attention, replayed_attention = blockwise_attention_seconds(problem, layout, tokens)
     a, r = activation_bytes(problem)
     forward_bytes = elementwise_bytes(c, layout.tp, layout.sequence_parallel, a, r, rt) * tokens
     if r > a:  # autocast casts the block's fp32 matmul weights once per forward
         forward_bytes += AUTOCAST_WEIGHT_CAST_BYTES * sum(k * n for k, n in shapes.values())
     elementwise = _hbm_seconds(problem, forward_bytes)
-    one = _tp_seconds(problem, layout, "all_reduce", tokens * c.hidden_size * a) if layout.tp > 1 else 0.0
     per_block, replayed = tp_all_reduce_equivalents(layout.sequence_parallel)
+    tp, exposed = tp_block_seconds(problem, layout, tokens * c.hidden_size * a, per_block, gemms)
+    one = exposed * problem.hw.collective("all_reduce", tokens * c.hidden_size * a, layout.tp, False, blocking=True)
     recompute = 0.0
     if layout.recompute == "full":  # the whole forward again: a third of the GEMMs and of attention
-        recompute = (sum(gemms.values()) + attention) / 3 + elementwise + replayed * one
+        recompute = sum(gemms.values()) / 3 + replayed_attention + elementwise + replayed * one
     elif layout.recompute == "selective":
         policy = SELECTIVE_POLICIES[rt.selective]
         gathers = policy.tp_all_gathers / 2 * one if layout.sequence_parallel else 0.0
-        recompute = sum(gemms[name] for name in policy.matmuls) / 3 + elementwise + gathers
+        recompute = sum(gemms[name] for name in policy.rerun(rt.fused_projections)) / 3 + elementwise + gathers
     return _Work(gemm=sum(gemms.values()), attention=attention, elementwise=elementwise * (1 + ELEMENTWISE_BACKWARD),
-                 recompute=recompute, tp=per_block * one,
-                 gemm_flops=sum(6 * tokens * k * n for k, n in shapes.values()),
-                 cp=_cp_seconds(problem, layout, tokens))
-
-
-def _cp_seconds(problem: Problem, layout: Layout, tokens: int) -> float:
-    """One block's K/V exchange under context parallelism, not overlapped: all-gather of this rank's K and V
-    (``tokens`` local tokens, its TP share of the kv heads) in forward, reduce-scatter of their gradients in backward
-    (and the all-gather again when the block is recomputed)."""
-    if layout.cp == 1:
-        return 0.0
-    c, hw = problem.config, problem.hw
-    nbytes = 2 * tokens * layout.cp * c.num_key_value_heads // layout.tp * c.head_dim * activation_bytes(problem)[0]
-    inter_node = layout.tp * layout.cp > hw.gpus_per_node  # cp ranks are tp apart
-    one = functools.partial(hw.collective, nbytes=nbytes, ranks=layout.cp, inter_node=inter_node, blocking=True)
-    gathers = 2 if layout.recompute == "full" else 1
-    return gathers * one("all_gather") + one("reduce_scatter")
+                 recompute=recompute, tp=tp, gemm_flops=sum(6 * tokens * k * n for k, n in shapes.values()),
+                 cp=cp_block_seconds(problem, layout, tokens, a))
 
 
 def _head_work(problem: Problem, layout: Layout, tokens: int) -> _Work:
@@ -301,7 +292,8 @@ def _time_detail(problem: Problem, layout: Layout, shape: LayoutShape, work: _Wo
     """What the compute time is made of, per step, and the efficiency each GEMM is planned at."""
     hw, m, tokens = problem.hw, layout.microbatches, shape.tokens
     c = problem.config
-    shapes = dict(block_gemms(c, layout.tp), head=(c.hidden_size, -(-c.vocab_size // layout.tp)))
+    shapes = dict(block_gemms(c, layout.tp, problem.runtime.fused_projections),
+                  head=(c.hidden_size, -(-c.vocab_size // layout.tp)))
     return {"gemm": m * work.gemm, "attention": m * work.attention, "elementwise": m * work.elementwise,
             "gemm_efficiency": work.gemm_flops / (hw.peak_flops(problem.precision) * work.gemm) if work.gemm else 0.0,
             "gemm_shapes": {name: [tokens, k, n] for name, (k, n) in shapes.items()},

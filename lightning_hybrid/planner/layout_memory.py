@@ -14,6 +14,7 @@ from dataclasses import dataclass
 
 from lightning_hybrid.distributed.options import GRADIENT_BUCKET_BYTES
 from lightning_hybrid.models.qwen2.config import Qwen2Config
+from lightning_hybrid.planner.context_parallel import blockwise_working_bytes
 from lightning_hybrid.planner.layout import Layout, Problem
 from lightning_hybrid.planner.memory import (
     PRECISIONS,
@@ -66,7 +67,7 @@ class LayoutShape:
 def layout_shape(problem: Problem, layout: Layout) -> LayoutShape:
     num_stages = layout.pp * layout.virtual_stages
     activations = activation_model(problem.config, layout.tp, layout.sequence_parallel, layout.recompute,
-                                   problem.precision, problem.seq_len)
+                                   problem.precision, problem.seq_len, problem.runtime.loss_parallel)
     # a rank holds seq_len / cp tokens of each sequence: activations and per-token work divide by cp
     return LayoutShape(tokens=layout.micro_batch_size * problem.seq_len // layout.cp, activations=activations,
                         rank_stages=rank_stages(layout.pp, layout.virtual_stages),
@@ -85,13 +86,20 @@ def _gathered_kv_bytes(problem: Problem, layout: Layout) -> float:
     return 2.0 * others * c.num_key_value_heads // layout.tp * c.head_dim * a
 
 
-def _held_activation_bytes(layout: Layout, shape: LayoutShape, pp_rank: int) -> float:
-    """Activations a pipeline rank holds at its peak: its in-flight micro-batches on each of its stages."""
+def _held_activation_bytes(layout: Layout, shape: LayoutShape, pp_rank: int, keeps_outputs: bool) -> float:
+    """Activations a pipeline rank holds at its peak: its in-flight micro-batches on each of its stages, and on the
+    last stage of a pipeline the logits it outputs: those in flight, or every micro-batch's of the step when the
+    schedule keeps them to return them (``keeps_outputs``: torch's ``schedule.step()`` unless
+    ``return_outputs=False``)."""
     act, counts = shape.activations, shape.stage_blocks
     inflight = inflight_microbatches(layout.schedule, layout.pp, layout.virtual_stages, layout.microbatches, pp_rank)
-    return sum(n * ((counts[s] * act.layer + (act.embedding if s == 0 else 0)
+    held = sum(n * ((counts[s] * act.layer + (act.embedding if s == 0 else 0)
                      + (act.head if s == shape.last_stage else 0)) * shape.tokens + counts[s] * shape.gathered_kv)
                for n, s in zip(inflight, shape.rank_stages[pp_rank]))
+    if layout.pp > 1 and shape.last_stage in shape.rank_stages[pp_rank]:
+        outputs = layout.microbatches if keeps_outputs else inflight[shape.rank_stages[pp_rank].index(shape.last_stage)]
+        held += outputs * act.logits * shape.tokens
+    return held
 
 
 def _data_parallel_buffer_bytes(config: Qwen2Config, layout: Layout, shape: LayoutShape,
@@ -130,9 +138,10 @@ def rank_memory_shape_breakdown(problem: Problem, layout: Layout, shape: LayoutS
     state = _rank_memory(problem.config, layout.tp, layout.pp, layout.shard_ranks if shape.fsdp else layout.data_ranks,
                          "fsdp" if shape.fsdp else "replicate",
                          pp_rank, problem.precision, problem.optimizer, layout.virtual_stages)
-    held = _held_activation_bytes(layout, shape, pp_rank)
+    held = _held_activation_bytes(layout, shape, pp_rank, problem.runtime.pipeline_keeps_outputs)
     has_head = shape.last_stage in shape.rank_stages[pp_rank]
-    working = max(act.layer_working, act.loss_working if has_head else 0.0) * shape.tokens
+    working = max(act.layer_working * shape.tokens + blockwise_working_bytes(problem, layout, shape.tokens),
+                  act.loss_working * shape.tokens if has_head else 0.0)
     fsdp_buffers = _data_parallel_buffer_bytes(problem.config, layout, shape, state)
     autocast = _autocast_copy_bytes(problem.config, layout, shape, state)
     optimizer_temp = state["param_numel"] * prec.state  # foreach AdamW's sqrt(exp_avg_sq) temporary

@@ -275,9 +275,14 @@ class ActivationModel:
     Attributes:
         layer: one decoder block.
         embedding: the embedding on the first stage (the saved token ids).
-        head: final norm, LM head input and the loss's saved log-softmax, on the last stage.
+        head: final norm, LM head input and the loss's saved fp32 log-softmax, on the last stage.
         layer_working: transient bytes while one block runs backward (or is recomputed).
-        loss_working: transient bytes of the loss and its backward (full-vocabulary fp32 tensors).
+        loss_working: transient bytes of the loss's backward: the fp32 gradients of the NLL and of the log-softmax
+            (8 bytes per logit), or under loss parallel torch's fused backward of both on the vocabulary shard
+            (``zeros_like``, ``exp`` and their sum, 12 bytes per logit).
+        logits: the last stage's output, the logits in the compute dtype (all-gathered to the full vocabulary,
+            or this rank's vocabulary shard under loss parallel): a pipeline's last stage holds them per micro-batch in
+            flight (or, when its schedule returns its outputs, per micro-batch of the step).
     """
 
     layer: float
@@ -285,6 +290,7 @@ class ActivationModel:
     head: float
     layer_working: float
     loss_working: float
+    logits: float = 0.0
 
 
 def _norm_saved(h: float, prec: Precision, tp: int, sp: bool, consumers: int) -> float:
@@ -301,12 +307,15 @@ def _norm_saved(h: float, prec: Precision, tp: int, sp: bool, consumers: int) ->
 
 
 def activation_model(config: Qwen2Config, tp: int = 1, sequence_parallel: bool = False, recompute: str = "none",
-                     precision: str = "bf16-mixed", seq_len: int = 4096) -> ActivationModel:
+                     precision: str = "bf16-mixed", seq_len: int = 4096, loss_parallel: bool = False
+                     ) -> ActivationModel:
     """Saved-for-backward bytes per token for this Qwen2 implementation (see the module docstring).
 
     ``recompute``: ``"none"``; ``"selective"`` keeps the block input and the outputs of the matmuls and of
     attention and recomputes norms, rotary, SiLU and products (an op-level policy that adds no matmul
-    FLOPs); ``"full"`` keeps only each block's input and recomputes the block in backward.
+    FLOPs); ``"full"`` keeps only each block's input and recomputes the block in backward. ``loss_parallel``: the
+    head's logits stay vocabulary shards (``vocab / tp`` per rank) through the loss; else (and at ``tp == 1``) every
+    TP rank holds the full vocabulary.
     """
     c, prec = config, PRECISIONS[_choice("precision", precision, tuple(PRECISIONS))]
     mode = _choice("recompute", recompute, RECOMPUTE)
@@ -321,7 +330,10 @@ def activation_model(config: Qwen2Config, tp: int = 1, sequence_parallel: bool =
     # q, k, v and the attention output (o_proj's input is a view of it)
     attention = (a * (q + 2 * kv_saved + q) + lse) / tp + rotary
     mlp = 4 * a * inter / tp  # gate out (silu input), silu out, up out, product (down input)
-    full = _norm_saved(h, prec, tp, sp, 3) + _norm_saved(h, prec, tp, sp, 2) + attention + mlp
+    # Qwen3's per-head q/k norms: the fp32 input, the fp32 rsqrt per head and the normalized value in the compute
+    # dtype (the weight's multiply saves it) for q and for k; the rotary products after them save only cos and sin.
+    qk_norm = ((4 + a) * (q + kv) + 4 * (c.num_attention_heads + c.num_key_value_heads)) / tp if c.qk_norm else 0.0
+    full = _norm_saved(h, prec, tp, sp, 3) + _norm_saved(h, prec, tp, sp, 2) + attention + mlp + qk_norm
     block_input = prec.residual * h / (tp if sp else 1)
     if mode == "none":
         layer = full
@@ -337,11 +349,14 @@ def activation_model(config: Qwen2Config, tp: int = 1, sequence_parallel: bool =
         layer = block_input + matmul_outputs + gathered + (a * q + lse) / tp
     else:
         layer = block_input
-    vocab = c.vocab_size
+    vocab = -(-c.vocab_size // tp) if loss_parallel else c.vocab_size  # logits per token on this rank
     head = _norm_saved(h, prec, tp, sp, 1) + 4 * vocab  # final norm + lm_head input + fp32 log-softmax output
-    loss_working = (8 + a) * vocab  # logits in the compute dtype, fp32 copy, fp32 gradient
+    # the loss's backward, as the dry run of the 72B SFT recipe's last stage traces it (docs/dry-run.md): the NLL's and
+    # the log-softmax's fp32 gradients; under loss parallel torch's fused backward holds three fp32 shards at once
+    loss_working = (12 if loss_parallel and tp > 1 else 8) * vocab
     return ActivationModel(layer=layer, embedding=8.0, head=head,
-                           layer_working=full + (full if mode != "none" else 0.0), loss_working=loss_working)
+                           layer_working=full + (full if mode != "none" else 0.0), loss_working=loss_working,
+                           logits=a * vocab)
 
 
 def inflight_microbatches(schedule: str, pp: int, virtual_stages: int, microbatches: int,

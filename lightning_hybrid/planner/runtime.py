@@ -40,13 +40,16 @@ def _reshards_under_pipeline(value: Any) -> bool:
     return reshard_after_forward(policy, pp=2, schedule="1f1b")  # any pipeline of a non-zero-bubble schedule
 
 
-def runtime_from_options(options: Optional[Mapping[str, Any]] = None, precision: str = "bf16-mixed") -> Runtime:
+def runtime_from_options(options: Optional[Mapping[str, Any]] = None, precision: str = "bf16-mixed",
+                         fused_projections: bool = True) -> Runtime:
     """The :class:`Runtime` a strategy with ``options`` runs with.
 
     Args:
         options: ``HybridParallelStrategy`` arguments by name (others are ignored; missing ones take
             :data:`RUNTIME_OPTIONS`' defaults).
         precision: Lightning's precision: under ``bf16-true`` the weights are bf16 already (no autocast casts).
+        fused_projections: the model runs q/k/v and gate/up as one GEMM each (a property of the model, not a
+            strategy option: this project's decoder fuses them; ``plan --no-fused-projections`` plans without).
 
     Mapping: ``compile`` -> ``fused_elementwise``; ``async_tp`` -> ``tp_overlap``; ``loss_parallel`` -> itself;
     bf16 compute weights (or ``bf16-true``) -> ``low_precision_params``; ``fsdp_reshard_after_forward`` False or
@@ -63,7 +66,7 @@ def runtime_from_options(options: Optional[Mapping[str, Any]] = None, precision:
     return Runtime(fused_elementwise=bool(values["compile"]), low_precision_params=low_precision,
                    tp_overlap=bool(values["async_tp"]),
                    loss_parallel=bool(values["loss_parallel"]), fsdp_regather=not keep_gathered,
-                   float8=values["float8"])
+                   float8=values["float8"], fused_projections=fused_projections)
 
 
 def runtime_features(runtime: Runtime) -> dict[str, bool]:
@@ -73,4 +76,5 @@ def runtime_features(runtime: Runtime) -> dict[str, bool]:
             "tp_overlap (async_tp)": runtime.tp_overlap,
             "fsdp stage gathered once per step under pp (fsdp_reshard_after_forward)": not runtime.fsdp_regather,
             "loss_parallel": runtime.loss_parallel,
-            f"float8 ({runtime.float8})": runtime.float8 is not None}
+            f"float8 ({runtime.float8})": runtime.float8 is not None,
+            "fused_projections (q/k/v and gate/up GEMMs)": runtime.fused_projections}

@@ -55,13 +55,13 @@ __all__ = ["Hardware", "Runtime", "TimeModel", "SELECTIVE_POLICIES", "collective
 # Fitted on the published runs of benchmarks/planner_published.py (least squares on log MFU; the leave-one-out
 # errors are printed there and listed in docs/planner.md). Each is a property of the GPU's matmul kernels or of
 # the overlap machinery, not of one run.
-GEMM_PEAK_EFFICIENCY = 0.652
+GEMM_PEAK_EFFICIENCY = 0.641
 """Fraction of the dense peak a large bf16 GEMM sustains in training (fitted; cuBLAS reaches 0.7-0.8 of the H100
 peak on 8192^3 at 700 W)."""
-GEMM_KNEE = 664.0
+GEMM_KNEE = 616.0
 """A GEMM whose smallest dimension is ``d`` reaches ``d / (d + GEMM_KNEE)`` of :data:`GEMM_PEAK_EFFICIENCY` (fitted):
 tile quantization and too few tiles to fill the SMs make skinny TP-local matmuls slower."""
-TP_OVERLAP_EXPOSED = 0.03
+TP_OVERLAP_EXPOSED = 0.075
 """Fraction of the TP collectives still exposed when they are overlapped with the GEMMs (torch async TP,
 Megatron's --tp-comm-overlap; fitted: torchtitan measured async TP 1.09-1.10x faster than vanilla TP)."""
 # Taken from sources, not fitted.
@@ -74,7 +74,7 @@ HBM_EFFICIENCY = 0.8
 ELEMENTWISE_BACKWARD = 2.0
 """Backward of an elementwise op moves about twice its forward's bytes: it reads the output gradient and the saved
 inputs and writes the input gradients (unary: 3 tensors vs 2; binary: 5 vs 3), plus the residual gradient adds."""
-FLOAT8_GEMM_EFFICIENCY = {"tensorwise": 0.426, "rowwise": 0.254, "mxfp8": 0.430}
+FLOAT8_GEMM_EFFICIENCY = {"tensorwise": 0.447, "rowwise": 0.279, "mxfp8": 0.423}
 """Fraction of the dense fp8 peak a large float8 block GEMM sustains in training with torchao, dynamic casts and
 scales included (fitted per recipe on torchtitan's H100 float8 rows without context parallelism in
 ``benchmarks/planner_published.py``: Llama 3 8B, 70B and 405B; mxfp8 on its published B200 speedup over bf16, 1.20x,
@@ -96,6 +96,11 @@ class SelectivePolicy:
 
     matmuls: tuple[str, ...] = ()
     tp_all_gathers: int = 0
+    fused_matmuls: tuple[str, ...] = ()  # the same policy on fused q/k/v and gate/up projections
+
+    def rerun(self, fused: bool) -> tuple[str, ...]:
+        """The matmuls (names of :func:`block_gemms`) whose forward runs again in backward."""
+        return self.fused_matmuls if fused else self.matmuls
 
 
 SELECTIVE_POLICIES = {
@@ -103,15 +108,17 @@ SELECTIVE_POLICIES = {
     # are kept, norms/rotary/SiLU/products/casts rerun.
     "op": SelectivePolicy(),
     # torchtitan's op SAC (torchtitan/parallelisms/parallelize_llama.py, _apply_ac_to_transformer_block): keeps
-    # every mm output except every second one (k, o and up in execution order q k v o gate up down); the SP
-    # all-gathers in front of attention and the MLP are not in its save list.
-    "every_other_mm": SelectivePolicy(matmuls=("k", "o", "up"), tp_all_gathers=2),
+    # every mm output except every second one (k, o and up in execution order q k v o gate up down; o and down of
+    # qkv o gate_up down with fused projections); the SP all-gathers in front of attention and the MLP are not in
+    # its save list.
+    "every_other_mm": SelectivePolicy(matmuls=("k", "o", "up"), tp_all_gathers=2, fused_matmuls=("o", "down")),
 }
 
 
 @dataclass(frozen=True)
 class Runtime:
-    """What the training software does that changes the step time (not the memory). Defaults: this project.
+    """What the training software does that changes the step time (and, where said, the memory). Defaults: this
+    project.
 
     Args:
         fused_elementwise: norms, rotary, SiLU and residual adds run as fused kernels (``torch.compile`` per block,
@@ -130,6 +137,17 @@ class Runtime:
         fsdp_regather: under a pipeline FSDP re-gathers each block for every micro-batch (it reshards after each
             forward); ``False``: the stage is gathered once per step (``fsdp_reshard_after_forward`` off or
             ``"auto"`` under ``pp > 1``).
+        fused_projections: q, k and v run as one GEMM per TP rank, and gate with up as another (this project's
+            model, Megatron-LM, Megatron-Bridge, NeMo); ``False``: five separate GEMMs (torchtitan, Hugging Face).
+            The FLOPs are the same; the fused GEMMs are wider, so skinny TP-local k and v projections no longer run
+            at their own low efficiency, and autocast casts each projection input once instead of per projection.
+        ring_attention: the context-parallel attention (``planner/context_parallel.py``): ``"blockwise"``, this
+            project's (K/V all-gathered at their own heads, fp32 matmuls block by block under checkpointing);
+            ``"gather"``, Llama 3's (the same all-gather, a fused attention kernel); ``"rotate"``, torch's
+            ``context_parallel`` ring as torchtitan runs it (K/V repeated to the query heads, one step at a time).
+        pipeline_keeps_outputs: memory, not time: the last pipeline stage keeps every micro-batch's logits until
+            the step ends (torch's ``schedule.step()`` does, to return them, unless ``return_outputs=False``, which
+            this project's ``PipelineRunner`` passes), not only those in flight.
     """
 
     fused_elementwise: bool = False
@@ -140,6 +158,9 @@ class Runtime:
     selective: str = "op"
     float8: Optional[str] = None
     fsdp_regather: bool = True
+    fused_projections: bool = True
+    ring_attention: str = "blockwise"
+    pipeline_keeps_outputs: bool = False
 
 
 @dataclass(frozen=True)
@@ -160,11 +181,17 @@ def gemm_efficiency(peak_efficiency: float, knee: float, m: int, k: int, n: int)
     return peak_efficiency * d / (d + knee)
 
 
-def block_gemms(config: Qwen2Config, tp: int) -> dict[str, tuple[int, int]]:
-    """(in, out) of each matmul of a block on one TP rank: colwise ones split ``out``, rowwise ones ``in``."""
+def block_gemms(config: Qwen2Config, tp: int, fused: bool = False) -> dict[str, tuple[int, int]]:
+    """(in, out) of each matmul of a block on one TP rank: colwise ones split ``out``, rowwise ones ``in``.
+
+    ``fused``: q, k and v as one GEMM ``qkv`` of ``(heads + 2 kv_heads) x head_dim / tp`` outputs (each rank keeps
+    whole heads and whole KV groups), gate and up as one ``gate_up`` of ``2 x intermediate / tp``.
+    """
     h, inter = config.hidden_size, config.intermediate_size
     q, kv = config.num_attention_heads * config.head_dim, config.num_key_value_heads * config.head_dim
     q, kv, inter = (-(-n // tp) for n in (q, kv, inter))  # torch.chunk: the first ranks hold ceil(n / tp)
+    if fused:
+        return {"qkv": (h, q + 2 * kv), "o": (q, h), "gate_up": (h, 2 * inter), "down": (inter, h)}
     return {"q": (h, q), "k": (h, kv), "v": (h, kv), "o": (q, h), "gate": (h, inter), "up": (h, inter),
             "down": (inter, h)}
 
@@ -178,9 +205,11 @@ def elementwise_bytes(config: Qwen2Config, tp: int, sequence_parallel: bool, com
     weight multiply ``2 r h``); autocast's cast of the 5 linear inputs (``5 (r + a) h``); rotary on q and k
     (negate, concatenate, two products, a sum: ``10 a`` per element); GQA's repeat of k and v to the query heads
     (``2 a (q + kv)``); the attention output's transpose copy (``2 a q``); two residual adds (``6 r h``); SiLU and
-    the product (``5 a I``). Fused: each region reads its inputs and writes its outputs once: residual add + norm
-    ``2 (r + a) h`` twice, rotary ``2 a (q + kv)`` and the GQA repeat, SiLU-product ``3 a I``. ``h`` terms are
-    divided by ``tp`` under sequence parallel.
+    the product (``5 a I``); Qwen3's per-head q/k norms, an RMSNorm in fp32 on ``q + kv`` elements of the compute
+    dtype; with fused projections autocast casts 2 linear inputs (qkv, gate_up), not 5. Fused kernels: each region
+    reads its inputs and writes its outputs once: residual add + norm ``2 (r + a) h`` twice, rotary ``2 a (q + kv)``
+    (with the q/k norms inside the same region) and the GQA repeat, SiLU-product ``3 a I``. ``h`` terms are divided
+    by ``tp`` under sequence parallel.
     """
     a, r = compute, residual
     h = config.hidden_size / (tp if sequence_parallel and tp > 1 else 1)
@@ -191,8 +220,9 @@ def elementwise_bytes(config: Qwen2Config, tp: int, sequence_parallel: bool, com
     if runtime.fused_elementwise:
         return 4 * (r + a) * h + 2 * a * (q + kv) + gqa + 3 * a * inter
     norm = 20 * h + 2 * r * h + (2 * (r + 4) * h if r < 4 else 0.0)
-    casts = 5 * (r + a) * h if r > a else 0.0
-    return 2 * norm + casts + 10 * a * (q + kv) + gqa + 2 * a * q + 6 * r * h + 5 * a * inter
+    casts = (2 if runtime.fused_projections else 5) * (r + a) * h if r > a else 0.0
+    head_norms = (20 + 2 * a + (2 * (a + 4) if a < 4 else 0.0)) * (q + kv) if config.qk_norm else 0.0
+    return 2 * norm + casts + 10 * a * (q + kv) + gqa + 2 * a * q + 6 * r * h + 5 * a * inter + head_norms
 
 
 @dataclass(frozen=True)

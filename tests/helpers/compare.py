@@ -27,10 +27,10 @@ def local_tensor(t: torch.Tensor) -> torch.Tensor:
     return t.to_local() if isinstance(t, DTensor) else t
 
 
-def max_relative_error(record: dict, reference: dict) -> dict[str, float]:
-    """Worst relative error of the losses and of the final weights (per-tensor norm of the difference)."""
+def max_relative_error(record: dict, reference: dict, steps: int = STEPS) -> dict[str, float]:
+    """Worst relative error of the losses (``steps`` of them) and of the final weights (norm of the difference)."""
     losses = max(abs(a - b) / abs(b) for a, b in zip(record["losses"], reference["losses"]))
-    assert len(record["losses"]) == len(reference["losses"]) == STEPS, (record["losses"], reference["losses"])
+    assert len(record["losses"]) == len(reference["losses"]) == steps, (record["losses"], reference["losses"])
     assert record["final"].keys() == reference["final"].keys(), set(record["final"]) ^ set(reference["final"])
     # Relative error of the whole weight vector. Per tensor it is ill-posed for tensors whose exact
     # gradient is zero (k_proj biases: softmax ignores a constant shift of the keys) and that hold
@@ -40,13 +40,14 @@ def max_relative_error(record: dict, reference: dict) -> dict[str, float]:
     return {"loss": losses, "weights": float(diff.norm() / full.norm())}
 
 
-def assert_trains_like(record: dict, reference: dict, same_initial_weights: bool = False) -> None:
-    """``record`` trained like the one-process ``reference``: every step's loss and the final weights within ``TOL``.
+def assert_trains_like(record: dict, reference: dict, same_initial_weights: bool = False, steps: int = STEPS) -> None:
+    """``record`` trained like the one-process ``reference``: every step's loss (``steps`` of them) and the final
+    weights within ``TOL``.
 
     The reference really trained (its weights moved well beyond the tolerance), so agreeing is not trivial. With
     ``same_initial_weights`` the run must also have started from bitwise the reference's weights.
     """
-    err = max_relative_error(record, reference)
+    err = max_relative_error(record, reference, steps)
     assert err["loss"] < TOL, (err, record["losses"], reference["losses"])
     assert err["weights"] < TOL, err
     # the whole weight vector (per tensor, zero-initialized biases would divide by 0 and pass as inf): 3.5% at lr 1e-3

@@ -55,6 +55,18 @@ def make_dataset(per_rank_batch: Optional[int] = None, reference: bool = False) 
             DataLoader(val, batch_size=per_rank_batch))
 
 
+def make_mixture_loader(per_rank_batch: int) -> DataLoader:
+    """The training samples as a weighted mixture (lightning_hybrid/data/mixture.py) of two sources, 70/30: sample
+    ``i`` of the mixture reads a seeded choice of source and row. The strategy's resumable sampler covers it like any
+    map-style dataset."""
+    from lightning_hybrid.data.mixture import MixtureDataset
+
+    inputs, labels = make_tensors()
+    sources = [TensorDataset(inputs[:32], labels[:32]), TensorDataset(inputs[32:48], labels[32:48])]
+    return DataLoader(MixtureDataset(sources, [0.7, 0.3], num_samples=48, seed=5), batch_size=per_rank_batch,
+                      shuffle=True)
+
+
 def make_trainer_kwargs() -> dict:
     return {
         "trainer": dict(accelerator="cpu", max_steps=STEPS, logger=False, enable_checkpointing=False,

@@ -85,10 +85,12 @@ class ForkServer:
         return result
 
     def launch(self, nproc: int, args: list[str], env: dict[str, str], timeout: float = 240,
-               cwd: Optional[Path] = None) -> subprocess.CompletedProcess:
+               cwd: Optional[Path] = None, keep_going: bool = False) -> subprocess.CompletedProcess:
         """``torchrun --nproc_per_node nproc *args`` (a script path or ``-m module``, then its arguments) with
-        ``env``, its ranks forked; stdout and stderr are all ranks' together, as torchrun's are."""
-        request = {"nproc": nproc, "args": args, "cwd": str(cwd or os.getcwd()), "env": env, "timeout": timeout}
+        ``env``, its ranks forked; stdout and stderr are all ranks' together, as torchrun's are. ``keep_going``: a
+        failed rank does not stop the others; each rank's non-zero exit code is printed (tests of how each exits)."""
+        request = {"nproc": nproc, "args": args, "cwd": str(cwd or os.getcwd()), "env": env, "timeout": timeout,
+                   "keep_going": keep_going}
         return self._request(request, f"forked launch of {nproc} x {' '.join(args)}")
 
     def launch_groups(self, nproc: int, args: list[str], env: dict[str, str], groups: list[dict[str, str]],
@@ -153,10 +155,10 @@ def _redirect(stdout: str, stderr: str) -> None:
 
 def _become(args: list[str], env: dict[str, str]) -> None:
     """In a forked child: run ``args`` (``-m module ...`` or ``script ...``) as ``__main__`` with exactly ``env``;
-    exit with its code as the interpreter would (an uncaught exception prints its traceback and exits 1)."""
+    exit with its code as the interpreter would (an uncaught exception goes to ``sys.excepthook``, which prints its
+    traceback, and exits 1)."""
     import atexit
     import runpy
-    import traceback
 
     os.environ.clear()
     os.environ.update(env)
@@ -175,9 +177,12 @@ def _become(args: list[str], env: dict[str, str]) -> None:
             runpy.run_path(args[0], run_name="__main__")
     except SystemExit as exit_:
         code = exit_.code
-    except BaseException:  # noqa: BLE001  (what the interpreter does with an uncaught exception)
-        traceback.print_exc()
+    except BaseException:  # noqa: BLE001  (what the interpreter does with an uncaught exception: sys.excepthook)
         code = 1
+        try:
+            sys.excepthook(*sys.exc_info())  # a hook may end the process itself (os._exit) with its own code
+        except SystemExit as exit_:  # or raise SystemExit, which the interpreter honours
+            code = exit_.code
     if code is None:
         code = 0
     elif not isinstance(code, int):
@@ -219,7 +224,10 @@ def _launch(request: dict) -> None:
     while ranks:
         pid, status = os.wait()
         rank, code = ranks.pop(pid), os.waitstatus_to_exitcode(status)
-        if code != 0 and not failed:
+        if code != 0 and request.get("keep_going"):
+            print(f"[fork launcher] {rank} exited with {code}", file=sys.stderr, flush=True)
+            failed = True
+        elif code != 0 and not failed:
             failed = True
             print(f"[fork launcher] {rank} exited with {code}: stopping the other ranks", file=sys.stderr,
                   flush=True)

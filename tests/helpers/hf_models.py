@@ -15,7 +15,8 @@ from typing import Any, Union
 
 import torch
 
-__all__ = ["SHAPE", "CASES", "build_hf_model", "save_hf_model", "hf_logits", "write_checkpoint"]
+__all__ = ["SHAPE", "CASES", "build_hf_model", "save_hf_model", "hf_logits", "write_checkpoint", "offline_hub_cache",
+           "train_steps"]
 
 SHAPE = dict(vocab_size=256, hidden_size=64, intermediate_size=176, num_hidden_layers=4, num_attention_heads=4,
              num_key_value_heads=2, max_position_embeddings=1024, initializer_range=0.1)
@@ -79,3 +80,32 @@ def write_checkpoint(model: torch.nn.Module, folder: Path, init_from_hf: Union[s
                  checkpoint_id=str(folder), no_dist=True)
     meta = {"model_config": model.config.to_dict(), "hparams": {"init_from_hf": str(init_from_hf)}}
     (folder / "meta.json").write_text(json.dumps(meta))
+
+
+def offline_hub_cache(folder: Path, cache: Path, monkeypatch: Any, repo_id: str) -> Path:
+    """``folder`` as the only snapshot of ``repo_id`` in a Hub cache at ``cache``, with the Hub offline (the
+    ``monkeypatch`` undoes it); returns the snapshot folder."""
+    import shutil
+
+    from huggingface_hub import constants
+
+    commit = "0123456789abcdef0123456789abcdef01234567"
+    repo = cache / f"models--{repo_id.replace('/', '--')}"
+    shutil.copytree(folder, repo / "snapshots" / commit)
+    (repo / "refs").mkdir()
+    (repo / "refs" / "main").write_text(commit)
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(cache))
+    return repo / "snapshots" / commit
+
+
+def train_steps(model: torch.nn.Module, seq: int, steps: int = 2) -> None:
+    """A few AdamW steps (lr 1e-2) of ``model`` on fixed random tokens, so that an exported model differs from the
+    one it was imported from."""
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    tokens = torch.randint(0, 256, (4, seq + 1), generator=torch.Generator().manual_seed(5))
+    for _ in range(steps):
+        total, count = model.loss_sum(model(tokens[:, :-1]), tokens[:, 1:])
+        (total / count).backward()
+        optimizer.step()
+        optimizer.zero_grad()

@@ -21,7 +21,8 @@ from typing import Optional
 
 from lightning_hybrid.launch.torchrun import free_port, kill_process_group, launcher_command
 
-__all__ = ["TESTS", "free_port", "kill_process_group", "worker_env", "torchrun", "launch", "run_workers"]
+__all__ = ["TESTS", "free_port", "kill_process_group", "worker_env", "torchrun", "launch", "run_workers",
+           "leftover_processes"]
 
 TESTS = Path(__file__).resolve().parents[1]  # the tests folder: worker scripts live here
 
@@ -55,12 +56,13 @@ def torchrun(nproc: int, args: list[str], timeout: float = 240, env: Optional[di
 
 
 def launch(nproc: int, args: list[str], timeout: float = 240, env: Optional[dict] = None,
-           check: bool = True) -> subprocess.CompletedProcess:
+           check: bool = True, keep_going: bool = False) -> subprocess.CompletedProcess:
     """:func:`torchrun`'s process group (the same environment in each rank, the others stopped when one fails), its
-    ranks forked from :func:`helpers.fork_server.fork_server`; a failure or a hang raises as :func:`torchrun` does."""
+    ranks forked from :func:`helpers.fork_server.fork_server`; a failure or a hang raises as :func:`torchrun` does.
+    ``keep_going``: no rank is stopped for another's failure, and each rank's non-zero exit code is printed."""
     from helpers.fork_server import fork_server
 
-    result = fork_server().launch(nproc, args, env=worker_env(env), timeout=timeout)
+    result = fork_server().launch(nproc, args, env=worker_env(env), timeout=timeout, keep_going=keep_going)
     if check and result.returncode != 0:
         raise AssertionError(f"{result.args[0]} failed ({result.returncode}):\n{result.stdout[-4000:]}\n"
                              f"{result.stderr[-8000:]}")
@@ -76,3 +78,30 @@ def run_workers(nproc: int, configs: list[dict], out: Path, timeout: float = 300
     import torch
 
     return {c["name"]: torch.load(out / f"{c['name']}.pt", weights_only=False) for c in configs}
+
+
+def leftover_processes(out: Path, wait: float = 0.0) -> list[int]:
+    """Processes still alive that were started for ``out`` (their environment holds ``OUT=<out>``, as every worker's
+    and everything it spawned does), after waiting up to ``wait`` seconds for them to end."""
+    import time
+
+    mark = f"OUT={out}".encode()
+    deadline = time.monotonic() + wait
+    while True:
+        found = []
+        for entry in Path("/proc").iterdir():
+            if entry.name.isdigit() and int(entry.name) != os.getpid():
+                try:
+                    if mark in (entry / "environ").read_bytes().split(b"\0") and b"Z" not in _state(entry):
+                        found.append(int(entry.name))
+                except OSError:
+                    continue
+        if not found or time.monotonic() >= deadline:
+            return found
+        time.sleep(0.2)
+
+
+def _state(proc: Path) -> bytes:
+    """The state letter of ``/proc/PID/stat`` (``Z``: a zombie, dead and waiting to be reaped)."""
+    stat = (proc / "stat").read_bytes()
+    return stat[stat.rindex(b")") + 2:][:1]

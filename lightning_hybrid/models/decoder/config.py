@@ -1,14 +1,15 @@
 """The decoder core's configuration: one dataclass for every family it computes, and the facts derived from it.
 
-A family (``model_type``, Hugging Face's name: ``qwen2``, ``llama``, ``qwen3``, ``mistral``) is a set of traits of one
-pre-norm decoder (grouped-query attention with RoPE, SwiGLU MLP, RMSNorm): q/k/v biases (Qwen2), an RMSNorm on each
-head of q and k before RoPE (Qwen3), a rope scaling (``llama3``, ``yarn``). Field names are Hugging Face's, so a
+A family (``model_type``, Hugging Face's name: ``qwen2``, ``llama``, ``qwen3``, ``mistral``, ``qwen3_moe``) is a set of
+traits of one pre-norm decoder (grouped-query attention with RoPE, SwiGLU MLP, RMSNorm): q/k/v biases (Qwen2), an
+RMSNorm on each head of q and k before RoPE (Qwen3), a rope scaling (``llama3``, ``yarn``), mixtures of experts in
+place of the MLP (Qwen3-MoE, :mod:`.moe_config`). Field names are Hugging Face's, so a
 ``config.json`` maps onto :class:`DecoderConfig` field by field (:mod:`.hf_config` reads and writes one).
 
 The facts the strategy, the planner, the throughput monitor and the Hugging Face adapter need are written here once:
-the tensors of a block with their shapes and TP split dims (:func:`block_tensor_shapes`), model FLOPs per token
-(:func:`flops_per_token`) and the declared parallel structure (:func:`parallel_spec`). None of them builds a model,
-and this module imports no torch (the planner reads it).
+the tensors of a block with their shapes and TP split dims (:func:`block_tensor_shapes`), model FLOPs per token from
+the parameters a token uses (:func:`flops_per_token`, :func:`active_parameters`) and the declared parallel structure
+(:func:`parallel_spec`). None of them builds a model, and this module imports no torch (the planner reads it).
 """
 
 from __future__ import annotations
@@ -20,11 +21,21 @@ from pathlib import Path
 from typing import Any, Optional, Union
 
 from lightning_hybrid.models.decoder.families import FAMILIES, ROPE_TYPES, Family, RopeScaling
+from lightning_hybrid.models.decoder.moe_config import (
+    EXPERT_TENSORS,
+    MOE_FIELDS,
+    experts_tensor_shapes,
+    inactive_expert_parameters,
+    is_sparse_layer,
+    moe_to_dict,
+    resolve_moe_fields,
+)
 from lightning_hybrid.models.decoder.presets import PRESETS
 from lightning_hybrid.models.spec import ParallelSpec
 
 __all__ = ["DecoderConfig", "RopeScaling", "Family", "FAMILIES", "ROPE_TYPES", "PRESETS", "BLOCK_TENSORS",
-           "block_tensor_shapes", "block_matmul_params", "flops_per_token", "parallel_spec"]
+           "block_tensor_shapes", "block_matmul_params", "flops_per_token", "parallel_spec", "active_parameters",
+           "MOE_FIELDS"]
 
 
 # The tensors of one decoder block (names within ``layers.N.``), in the Hugging Face files' order; the q/k/v biases
@@ -37,12 +48,13 @@ BLOCK_TENSORS = (
     "self_attn.q_norm.weight", "self_attn.k_norm.weight",
     "mlp.gate_proj.weight", "mlp.up_proj.weight", "mlp.down_proj.weight",
     "input_layernorm.weight", "post_attention_layernorm.weight",
+    *EXPERT_TENSORS,  # a mixture-of-experts layer's router and experts in place of the dense MLP (Qwen3-MoE)
 )
 
 
 @dataclass(frozen=True)
 class DecoderConfig:
-    """Sizes and family of a decoder the core computes (Qwen2 / Qwen2.5, Llama 3.x, Qwen3 dense, Mistral).
+    """Sizes and family of a decoder the core computes (Qwen2 / Qwen2.5, Llama 3.x, Qwen3 dense, Mistral, Qwen3-MoE).
 
     Args:
         vocab_size: number of token ids.
@@ -64,6 +76,13 @@ class DecoderConfig:
         head_dim: width of one attention head; ``None``: ``hidden_size / num_attention_heads`` (Qwen3 and Llama 3.2
             give it explicitly).
         rope_scaling: a :class:`RopeScaling` (or its dict); ``None``: plain RoPE.
+        num_experts, num_experts_per_tok, moe_intermediate_size, norm_topk_prob, router_aux_loss_coef,
+            mlp_only_layers, decoder_sparse_step: a mixture of experts (``model_type="qwen3_moe"``), as in
+            ``transformers``' ``Qwen3MoeConfig`` (its defaults where ``None``); see :mod:`.moe_config`. A dense
+            family leaves them unset.
+        router_bias_update_rate: auxiliary-loss-free load balancing (DeepSeek-V3): a per-expert bias added to the
+            routing scores for the top-k choice only, moved by this rate after each optimizer step towards the
+            step's mean load (no gradient); 0 (the default): no bias.
 
     Raises:
         ValueError: a size that is not a positive integer, heads that do not divide, an odd ``head_dim``, an
@@ -86,6 +105,14 @@ class DecoderConfig:
     model_type: str = "qwen2"
     head_dim: Optional[int] = None
     rope_scaling: Optional[RopeScaling] = None
+    num_experts: Optional[int] = None
+    num_experts_per_tok: Optional[int] = None
+    moe_intermediate_size: Optional[int] = None
+    norm_topk_prob: Optional[bool] = None
+    router_aux_loss_coef: Optional[float] = None
+    mlp_only_layers: tuple[int, ...] = ()
+    decoder_sparse_step: int = 1
+    router_bias_update_rate: float = 0.0
 
     def __post_init__(self) -> None:
         if self.model_type not in FAMILIES:
@@ -115,6 +142,10 @@ class DecoderConfig:
                              f"Hugging Face model would also put a bias on o_proj); set it to false")
         if isinstance(self.rope_scaling, dict):
             object.__setattr__(self, "rope_scaling", _rope_from_dict(self.rope_scaling, self.max_position_embeddings))
+        moe = resolve_moe_fields({k: getattr(self, k) for k in MOE_FIELDS}, self.model_type, family.experts,
+                                 self.num_hidden_layers)
+        for key, value in moe.items():
+            object.__setattr__(self, key, value)
 
     @property
     def family(self) -> Family:
@@ -127,9 +158,14 @@ class DecoderConfig:
         return self.family.qk_norm
 
     def mlp_kind(self, layer: int) -> str:
-        """The MLP of block ``layer``: ``"dense"`` (SwiGLU) in every family the core computes today; a mixture of
-        experts family answers ``"experts"`` for its sparse layers."""
-        return "dense"
+        """The MLP of block ``layer``: ``"experts"`` for the sparse layers of a mixture-of-experts family (see
+        :func:`~.moe_config.is_sparse_layer`), ``"dense"`` (SwiGLU) otherwise."""
+        return "experts" if is_sparse_layer(self, layer) else "dense"
+
+    @property
+    def has_experts(self) -> bool:
+        """Whether some block is a mixture of experts."""
+        return any(self.mlp_kind(i) == "experts" for i in range(self.num_hidden_layers))
 
     @classmethod
     def from_preset(cls, name: str) -> "DecoderConfig":
@@ -201,18 +237,20 @@ class DecoderConfig:
             del values["rope_scaling"]
         else:
             values["rope_scaling"] = self.rope_scaling.to_dict()
-        return values
+        return moe_to_dict(values, self.family.experts)
 
     def num_parameters(self, include_embedding: bool = True) -> int:
-        """Parameter count computed from the shapes (matches the published safetensors files)."""
-        block = sum(math.prod(shape) for shape, _ in block_tensor_shapes(self).values())
-        total = self.num_hidden_layers * block + self.hidden_size  # final norm
+        """Parameter count computed from the shapes (matches the published safetensors files); a mixture of experts
+        counts every expert (:func:`active_parameters` counts those a token uses)."""
+        total = self.hidden_size  # final norm
+        for layer in range(self.num_hidden_layers):
+            total += sum(math.prod(shape) for shape, _ in block_tensor_shapes(self, layer).values())
         if include_embedding:
             total += self.vocab_size * self.hidden_size * (1 if self.tie_word_embeddings else 2)
         return total
 
     def block_parameters(self) -> int:
-        """Parameters of one decoder block."""
+        """Parameters of one decoder block (the mean over the blocks where dense and sparse blocks mix)."""
         return (self.num_parameters(include_embedding=False) - self.hidden_size) // self.num_hidden_layers
 
 
@@ -227,12 +265,14 @@ def _rope_from_dict(values: dict[str, Any], max_position_embeddings: int) -> Opt
     return RopeScaling(rope_type=kind, **args)
 
 
-def block_tensor_shapes(config: DecoderConfig) -> dict[str, tuple[tuple[int, ...], Optional[int]]]:
-    """Name within a block -> (global shape, dim that tensor parallelism splits or ``None``), for every tensor.
+def block_tensor_shapes(config: DecoderConfig, layer: int = 0) -> dict[str, tuple[tuple[int, ...], Optional[int]]]:
+    """Name within block ``layer`` -> (global shape, dim that tensor parallelism splits or ``None``), for every tensor.
 
     Colwise projections (q, k, v, gate, up) split their output rows (dim 0, biases too), rowwise ones
     (o, down) their input columns (dim 1); norms are replicated (the q/k norms act on one head each, and every TP rank
-    holds whole heads). Without ``attention_bias`` the q/k/v biases are absent, without ``qk_norm`` the q/k norms.
+    holds whole heads). Without ``attention_bias`` the q/k/v biases are absent, without ``qk_norm`` the q/k norms. A
+    sparse block (:meth:`DecoderConfig.mlp_kind` ``"experts"``) holds the router and the experts
+    (:func:`~.moe_config.experts_tensor_shapes`, not split by TP) in place of the dense MLP's three matrices.
     """
     h, inter, d = config.hidden_size, config.intermediate_size, config.head_dim
     q, kv = config.num_attention_heads * d, config.num_key_value_heads * d
@@ -251,28 +291,45 @@ def block_tensor_shapes(config: DecoderConfig) -> dict[str, tuple[tuple[int, ...
         absent |= {name for name in shapes if name.endswith("_proj.bias")}
     if not config.qk_norm:
         absent |= {"self_attn.q_norm.weight", "self_attn.k_norm.weight"}
-    return {name: shapes[name] for name in BLOCK_TENSORS if name not in absent}
+    if config.mlp_kind(layer) == "experts":
+        absent |= {"mlp.gate_proj.weight", "mlp.up_proj.weight", "mlp.down_proj.weight"}
+        shapes.update(experts_tensor_shapes(config))
+    return {name: shapes[name] for name in BLOCK_TENSORS if name in shapes and name not in absent}
 
 
-def block_matmul_params(config: DecoderConfig) -> int:
-    """Matmul weights of one block: q and o are ``h x hq``, k and v ``h x hkv`` (GQA), SwiGLU's three ``h x I``."""
+def block_matmul_params(config: DecoderConfig, layer: int = 0) -> int:
+    """Matmul weights one token uses in block ``layer``: q and o are ``h x hq``, k and v ``h x hkv`` (GQA); a dense
+    SwiGLU's three ``h x I``, or in a sparse block the router's ``h x num_experts`` and the three ``h x
+    moe_intermediate_size`` of each of its ``num_experts_per_tok`` experts (the active ones only)."""
     h = config.hidden_size
     hq, hkv = config.num_attention_heads * config.head_dim, config.num_key_value_heads * config.head_dim
-    return 2 * h * hq + 2 * h * hkv + 3 * h * config.intermediate_size
+    if getattr(config, "mlp_kind", None) is not None and config.mlp_kind(layer) == "experts":
+        mlp = h * config.num_experts + config.num_experts_per_tok * 3 * h * config.moe_intermediate_size
+    else:
+        mlp = 3 * h * config.intermediate_size
+    return 2 * h * hq + 2 * h * hkv + mlp
+
+
+def active_parameters(config: DecoderConfig, include_embedding: bool = True) -> int:
+    """Parameters one token uses: :meth:`DecoderConfig.num_parameters` less the experts it is not routed to (the
+    "active" count of a mixture-of-experts model card: Qwen3-30B-A3B 3.3B of 30.5B); every parameter of a dense
+    model. Torch-free, for the planner and the throughput monitor."""
+    return config.num_parameters(include_embedding) - inactive_expert_parameters(config)
 
 
 def flops_per_token(config: Any, seq_len: int, include_head: bool = True) -> float:
-    """Model FLOPs (forward + backward) per trained token of the decoder.
+    """Model FLOPs (forward + backward) per trained token of the decoder, from the matmul weights a token uses.
 
-    ``6 * L * (2 * h * hq + 2 * h * hkv + 3 * h * I)  +  6 * h * V  +  12 * L * hq * T`` with
+    ``6 * sum over layers of (2 * h * hq + 2 * h * hkv + M_l)  +  6 * h * V  +  12 * L * hq * T`` with
     ``L`` layers, width ``h``, query width ``hq = heads * head_dim`` (``head_dim`` as configured, which need not be
     ``h / heads``: Qwen3's 32B has ``hq = 8192`` at ``h = 5120``), key/value width ``hkv = kv_heads * head_dim``
-    (grouped-query attention), SwiGLU width ``I`` (gate, up and down: 3 matrices), vocabulary ``V`` and sequence
-    length ``T``:
+    (grouped-query attention), vocabulary ``V``, sequence length ``T`` and the MLP of layer ``l``: ``M_l = 3 * h * I``
+    for a dense SwiGLU of width ``I`` (gate, up and down), ``h * E + k * 3 * h * I_e`` for a mixture of ``E`` experts
+    of width ``I_e`` of which a token uses ``k`` (the router and the active experts: MFU counts active parameters):
 
-    - the first term is ``6 * N`` over the non-embedding matmul weights (q and o are ``h x hq``, k and v
-      ``h x hkv``); biases and norms, the q/k norms of Qwen3 included, do no matmul and are left out (under 0.01% of
-      N);
+    - the first term is ``6 * N`` over the non-embedding matmul weights a token uses (q and o are ``h x hq``, k and v
+      ``h x hkv``, :func:`block_matmul_params`); biases and norms, the q/k norms of Qwen3 included, do no matmul and
+      are left out (under 0.01% of N);
     - the LM head is counted (``include_head``): it is a real ``h x V`` matmul run for every token,
       tied to the embedding or not (a tied head is counted once, as the matmul it is; the embedding lookup does no
       matmul and is not counted);
@@ -294,13 +351,15 @@ def flops_per_token(config: Any, seq_len: int, include_head: bool = True) -> flo
     layers = config.num_hidden_layers
     head = config.hidden_size * config.vocab_size if include_head else 0
     hq = config.num_attention_heads * config.head_dim
-    return float(6 * (layers * block_matmul_params(config) + head) + 12 * layers * hq * seq_len)
+    matmuls = sum(block_matmul_params(config, layer) for layer in range(layers))
+    return float(6 * (matmuls + head) + 12 * layers * hq * seq_len)
 
 
 def parallel_spec(config: DecoderConfig) -> ParallelSpec:
     """Parts, TP plan and relative costs of a decoder of ``config`` (see :class:`ParallelSpec`)."""
     c = config
-    block_matmul = block_matmul_params(c)
+    # the mean over the blocks: dense and sparse blocks of a mixture of experts cost differently
+    block_matmul = sum(block_matmul_params(c, i) for i in range(c.num_hidden_layers)) / c.num_hidden_layers
     head_matmul = c.hidden_size * c.vocab_size
     return ParallelSpec(
         embedding="embed_tokens",
@@ -324,6 +383,8 @@ def parallel_spec(config: DecoderConfig) -> ParallelSpec:
         fused_projections={"self_attn.qkv": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
                            "mlp.gate_up": ("mlp.gate_proj", "mlp.up_proj")},
         rotary="rotary",
+        block_experts="mlp" if c.has_experts else None,
+        ep_divisible={"num_experts": c.num_experts} if c.has_experts else {},
         tp_divisible={"num_attention_heads": c.num_attention_heads,
                       "num_key_value_heads": c.num_key_value_heads},
         block_cost=1.0,

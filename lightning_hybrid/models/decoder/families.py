@@ -21,11 +21,14 @@ class Family:
         architecture: the ``transformers`` class of its checkpoints (written into an exported ``config.json``).
         attention_bias: its q/k/v projections carry a bias (Qwen2; the output projection never does).
         qk_norm: an RMSNorm over ``head_dim`` on each head of q and of k, before RoPE (Qwen3).
+        experts: its sparse layers are mixtures of experts (a router and ``num_experts`` SwiGLU experts) in place of
+            the dense MLP (Qwen3-MoE).
     """
 
     architecture: str
     attention_bias: bool = False
     qk_norm: bool = False
+    experts: bool = False
 
 
 FAMILIES: dict[str, Family] = {
@@ -33,6 +36,7 @@ FAMILIES: dict[str, Family] = {
     "llama": Family("LlamaForCausalLM"),
     "qwen3": Family("Qwen3ForCausalLM", qk_norm=True),
     "mistral": Family("MistralForCausalLM"),
+    "qwen3_moe": Family("Qwen3MoeForCausalLM", qk_norm=True, experts=True),
 }
 
 ROPE_TYPES = ("llama3", "yarn")  # besides plain RoPE ("default"); the others are refused by name

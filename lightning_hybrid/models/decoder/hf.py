@@ -22,10 +22,17 @@ from torch import nn
 from lightning_hybrid.hub import resolve_hf_path
 from lightning_hybrid.models.decoder.config import BLOCK_TENSORS, DecoderConfig, block_tensor_shapes
 from lightning_hybrid.models.decoder.hf_config import ATTENTION_BIAS_FIELD, MLP_BIAS_FIELD, QWEN_WINDOW
+from lightning_hybrid.models.decoder.hf_experts import (
+    is_fused_layout,
+    per_expert_source,
+    per_expert_tensors,
+    read_experts_region,
+)
+from lightning_hybrid.models.decoder.moe_config import is_expert_tensor
 
 __all__ = [
     "HF_NAME_TABLE", "hf_to_ours", "ours_to_hf", "load_hf_weights", "check_hf_folder", "expected_hf_tensors",
-    "SafetensorsFolder", "read_stats", "ARCHITECTURE_FIELDS", "TOKENIZER_FILES", "hf_config_dict",
+    "SafetensorsFolder", "read_stats", "ARCHITECTURE_FIELDS", "TOKENIZER_FILES", "hf_config_dict", "hf_source",
 ]
 
 # The one mapping between Hugging Face tensor names and ours, read in both directions. ``{i}`` is the
@@ -44,7 +51,9 @@ _IGNORED_HF = re.compile(r"model\.layers\.\d+\.self_attn\.rotary_emb\.inv_freq")
 # Fields of config.json that decide shapes or math; all must agree with the model asked for.
 ARCHITECTURE_FIELDS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
                        "num_attention_heads", "num_key_value_heads", "tie_word_embeddings", "rope_theta",
-                       "rms_norm_eps", "attention_bias", "model_type", "head_dim", "rope_scaling")
+                       "rms_norm_eps", "attention_bias", "model_type", "head_dim", "rope_scaling", "num_experts",
+                       "num_experts_per_tok", "moe_intermediate_size", "norm_topk_prob", "mlp_only_layers",
+                       "decoder_sparse_step")
 
 # Files of a Hugging Face folder that belong to the tokenizer (copied on export).
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.json", "merges.txt", "special_tokens_map.json",
@@ -81,23 +90,47 @@ def ours_to_hf(name: str) -> str:
     """
     hf = _translate(name, _BACKWARD)
     if hf is None:
-        raise KeyError(f"{name!r} is not a Qwen2 parameter name, nor one of Llama, Qwen3 or Mistral; the mapping "
-                       f"knows {len(HF_NAME_TABLE)} patterns "
+        raise KeyError(f"{name!r} is not a Qwen2 parameter name, nor one of Llama, Qwen3, Mistral or Qwen3-MoE; the "
+                       f"mapping knows {len(HF_NAME_TABLE)} patterns "
                        f"(embed_tokens.weight, layers.N.<...>, norm.weight, lm_head.weight)")
     return hf
 
 
-def expected_hf_tensors(config: DecoderConfig) -> dict[str, tuple[int, ...]]:
-    """Hugging Face name -> shape of every tensor a checkpoint of ``config`` holds (no ``lm_head`` when tied)."""
+def expected_hf_tensors(config: DecoderConfig, fused_experts: bool = False) -> dict[str, tuple[int, ...]]:
+    """Hugging Face name -> shape of every tensor a checkpoint of ``config`` holds (no ``lm_head`` when tied); a
+    mixture of experts' experts one tensor per expert (the Hub's layout) or, with ``fused_experts``, two 3-D
+    tensors per layer (:mod:`.hf_experts`)."""
     h, vocab = config.hidden_size, config.vocab_size
     shapes: dict[str, tuple[int, ...]] = {"embed_tokens.weight": (vocab, h)}
+    experts: dict[str, tuple[int, ...]] = {}
     for i in range(config.num_hidden_layers):
-        for name, (shape, _) in block_tensor_shapes(config).items():
+        for name, (shape, _) in block_tensor_shapes(config, i).items():
+            if is_expert_tensor(name) and not fused_experts:
+                continue
             shapes[f"layers.{i}.{name}"] = shape
+        if config.mlp_kind(i) == "experts" and not fused_experts:
+            experts.update(per_expert_tensors(i, config.num_experts, h, config.moe_intermediate_size))
     shapes["norm.weight"] = (h,)
     if not config.tie_word_embeddings:
         shapes["lm_head.weight"] = (vocab, h)
-    return {ours_to_hf(name): shape for name, shape in shapes.items()}
+    return {**{ours_to_hf(name): shape for name, shape in shapes.items()}, **experts}
+
+
+def hf_source(name: str, config: DecoderConfig) -> tuple[str, tuple[Any, ...]]:
+    """(our tensor, the index of it) that the Hugging Face tensor ``name`` of a checkpoint of ``config`` holds: the
+    whole tensor (``()``) but for a per-expert tensor of a mixture of experts (a slice of our 3-D experts).
+
+    Raises:
+        KeyError: ``name`` is no tensor of the decoder core.
+    """
+    if config.has_experts:
+        source = per_expert_source(name, config.moe_intermediate_size)
+        if source is not None:
+            return source
+    ours = hf_to_ours(name)
+    if ours is None:
+        raise KeyError(f"{name!r} is no tensor of a {config.model_type} checkpoint")
+    return ours, ()
 
 
 @dataclass
@@ -214,8 +247,8 @@ def _check_config(folder: Path, config: DecoderConfig) -> None:
 
 def _check_tensors(files: SafetensorsFolder, config: DecoderConfig) -> dict[str, tuple[int, ...]]:
     """Every tensor present, nothing extra, every shape right; the same verdict on every rank (headers only)."""
-    expected = expected_hf_tensors(config)
     present = set(files.names())
+    expected = expected_hf_tensors(config, fused_experts=is_fused_layout(present))
     missing = [n for n in expected if n not in present]
     if missing:
         more = f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""
@@ -293,11 +326,17 @@ def load_hf_weights(model: nn.Module, path_or_repo: Union[str, Path], config: De
     with SafetensorsFolder(folder) as files:
         files.check_files()
         expected = _check_tensors(files, config)
+        per_expert = not is_fused_layout(expected)
         for name, param in _parameters(model):
+            local, shape, offset = local_region(param)
+            if per_expert and is_expert_tensor(name):  # assembled from the experts' own tensors
+                if local.numel():
+                    local.copy_(read_experts_region(files, name, offset, tuple(local.shape),
+                                                    config.moe_intermediate_size))
+                continue
             hf = ours_to_hf(name)
             if hf not in expected:  # e.g. lm_head of a model built untied from a tied config
                 raise ValueError(f"parameter {name} of the model has no tensor {hf} in a checkpoint of {config.name!r}")
-            local, shape, offset = local_region(param)
             if shape != expected[hf]:
                 raise ValueError(f"parameter {name} has shape {list(shape)} but tensor {hf} in {folder} has "
                                  f"{list(expected[hf])}")
@@ -308,8 +347,8 @@ def load_hf_weights(model: nn.Module, path_or_repo: Union[str, Path], config: De
 
 def hf_config_dict(config: DecoderConfig, dtype_name: str, base: Optional[dict[str, Any]] = None) -> dict[str, Any]:
     """The ``config.json`` of ``config`` for its family's ``transformers`` class (``Qwen2ForCausalLM``,
-    ``LlamaForCausalLM``, ``Qwen3ForCausalLM``, ``MistralForCausalLM``); ``base`` (the imported model's
-    ``config.json``) keeps its other keys (token ids, ...).
+    ``LlamaForCausalLM``, ``Qwen3ForCausalLM``, ``MistralForCausalLM``, ``Qwen3MoeForCausalLM``); ``base`` (the
+    imported model's ``config.json``) keeps its other keys (token ids, ...).
 
     Args:
         config: the model's configuration.
@@ -339,8 +378,9 @@ def hf_config_dict(config: DecoderConfig, dtype_name: str, base: Optional[dict[s
     if config.model_type in MLP_BIAS_FIELD:
         values["mlp_bias"] = False
     fields = config.to_dict()
-    for key in ("name", "model_type", "rope_scaling"):
+    for key in ("name", "model_type", "rope_scaling", "router_bias_update_rate"):
         fields.pop(key, None)
+    values.pop("num_local_experts", None)  # written as num_experts, which transformers 4 and 5 both read
     if config.model_type != "qwen2" or config.head_dim * config.num_attention_heads != config.hidden_size:
         fields["head_dim"] = config.head_dim
     values.update(fields)

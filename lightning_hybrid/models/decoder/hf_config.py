@@ -17,10 +17,10 @@ from lightning_hybrid.models.decoder.families import FAMILIES, ROPE_TYPES
 __all__ = ["read_hf_config", "config_file", "ATTENTION_BIAS_FIELD", "MLP_BIAS_FIELD", "QWEN_WINDOW"]
 
 # Families whose transformers config has the q/k/v-and-o ``attention_bias`` switch / Llama's ``mlp_bias``.
-ATTENTION_BIAS_FIELD = ("llama", "qwen3")
+ATTENTION_BIAS_FIELD = ("llama", "qwen3", "qwen3_moe")
 MLP_BIAS_FIELD = ("llama",)
 # Families whose transformers config has Qwen's sliding-window switches.
-QWEN_WINDOW = ("qwen2", "qwen3")
+QWEN_WINDOW = ("qwen2", "qwen3", "qwen3_moe")
 
 
 def config_file(path: Union[str, Path]) -> Path:
@@ -60,6 +60,10 @@ def read_hf_config(path: Union[str, Path]) -> dict[str, Any]:
         raise ValueError(f"{where}: model_type={model_type!r} is not supported; use one of {', '.join(FAMILIES)}")
     _check_supported(values, model_type, where)
     fields = dict(values, model_type=model_type, name=str(path))
+    if "num_local_experts" in fields:  # transformers 5 writes Qwen3-MoE's num_experts under this name
+        fields["num_experts"] = fields.pop("num_local_experts")
+    if FAMILIES[model_type].experts and fields.get("mlp_only_layers") is None:
+        fields["mlp_only_layers"] = []
     fields.pop("attention_bias", None)  # the family decides (Qwen2: q/k/v biases whatever the file says)
     fields.pop("rope_scaling", None)
     if fields.get("num_key_value_heads") is None:  # transformers' default: multi-head attention

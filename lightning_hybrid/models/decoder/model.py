@@ -17,6 +17,7 @@ from torch import Tensor, nn
 
 from lightning_hybrid.models.attention import CausalAttention
 from lightning_hybrid.models.decoder.config import DecoderConfig, parallel_spec
+from lightning_hybrid.models.decoder.moe import MoE
 from lightning_hybrid.models.decoder.rope import RotaryTables, apply_rotary, rotary_at
 from lightning_hybrid.models.fused import FusedLinear
 from lightning_hybrid.models.spec import IGNORE_INDEX, ParallelSpec
@@ -29,14 +30,15 @@ def parameter_init(config: DecoderConfig, name: str) -> tuple[str, float]:
 
     Norm scales (block norms, the q/k norms, the final norm) start at one and biases at zero. Residual output
     projections (``o_proj``, ``down_proj``) get std scaled by 1/sqrt(2 * layers), as in GPT-2 and torchtitan, so the
-    residual stream does not grow with depth.
+    residual stream does not grow with depth; so do the experts' ``down_proj`` of a mixture of experts (3-D, all
+    experts at once), while its router starts at ``std``.
     """
     if name.endswith("norm.weight"):
         return "ones", 0.0
     if name.endswith(".bias"):
         return "zeros", 0.0
     std = config.initializer_range
-    if name.endswith("o_proj.weight") or name.endswith("down_proj.weight"):
+    if name.endswith(("o_proj.weight", "down_proj.weight", "experts.down_proj")):
         std = std / math.sqrt(2 * config.num_hidden_layers)
     return "normal", std
 
@@ -143,8 +145,9 @@ class MLP(nn.Module):
 
 
 def build_mlp(config: DecoderConfig, layer: int, fused: bool = True) -> nn.Module:
-    """The MLP of block ``layer``, by the config's :meth:`~.config.DecoderConfig.mlp_kind` (the one place a mixture
-    of experts layer would be chosen).
+    """The MLP of block ``layer``, by the config's :meth:`~.config.DecoderConfig.mlp_kind`: the dense SwiGLU
+    :class:`MLP` (gate and up as one GEMM when ``fused``), or a mixture of experts (:class:`~.moe.MoE`, its experts'
+    own grouped GEMMs) in the sparse layers of a Qwen3-MoE.
 
     Raises:
         ValueError: a kind this core does not build.
@@ -152,7 +155,9 @@ def build_mlp(config: DecoderConfig, layer: int, fused: bool = True) -> nn.Modul
     kind = config.mlp_kind(layer)
     if kind == "dense":
         return MLP(config, fused)
-    raise ValueError(f"mlp kind {kind!r} of layer {layer} is not built by this decoder core; use 'dense'")
+    if kind == "experts":
+        return MoE(config)
+    raise ValueError(f"mlp kind {kind!r} of layer {layer} is not built by this decoder core; use 'dense' or 'experts'")
 
 
 class DecoderBlock(nn.Module):

@@ -27,6 +27,14 @@ _LLAMA32_ROPE = dict(_LLAMA31_ROPE, factor=32.0)
 _QWEN3_COMMON = dict(model_type="qwen3", vocab_size=151936, head_dim=128, num_key_value_heads=8,
                      max_position_embeddings=40960, rope_theta=1000000.0, rms_norm_eps=1e-6)
 
+# Qwen3-MoE (Qwen/Qwen3-30B-A3B and Qwen/Qwen3-235B-A22B config.json): the Qwen3 attention (q/k norms, head_dim 128,
+# 4 key-value heads) and in every layer (decoder_sparse_step 1, no mlp_only_layers) 128 SwiGLU experts of which a
+# token uses 8, routing weights renormalized; published 30.5B total / 3.3B active and 235B / 22B.
+_QWEN3_MOE_COMMON = dict(model_type="qwen3_moe", vocab_size=151936, head_dim=128, num_key_value_heads=4,
+                         max_position_embeddings=40960, rope_theta=1000000.0, rms_norm_eps=1e-6,
+                         tie_word_embeddings=False, num_experts=128, num_experts_per_tok=8, norm_topk_prob=True,
+                         router_aux_loss_coef=0.001, decoder_sparse_step=1, mlp_only_layers=())
+
 PRESETS: dict[str, dict[str, Any]] = {
     # A debug size: 4 blocks, width 64, GQA 4:2, a byte-level vocabulary. Trains in seconds on a CPU.
     "tiny": dict(vocab_size=256, hidden_size=64, intermediate_size=176, num_hidden_layers=4,
@@ -82,6 +90,10 @@ PRESETS: dict[str, dict[str, Any]] = {
                       tie_word_embeddings=False, **_QWEN3_COMMON),
     "qwen3-32b": dict(hidden_size=5120, intermediate_size=25600, num_hidden_layers=64, num_attention_heads=64,
                       tie_word_embeddings=False, **_QWEN3_COMMON),
+    "qwen3-30b-a3b": dict(hidden_size=2048, intermediate_size=6144, moe_intermediate_size=768, num_hidden_layers=48,
+                          num_attention_heads=32, **_QWEN3_MOE_COMMON),
+    "qwen3-235b-a22b": dict(hidden_size=4096, intermediate_size=12288, moe_intermediate_size=1536,
+                            num_hidden_layers=94, num_attention_heads=64, **_QWEN3_MOE_COMMON),
     # Mistral-7B-v0.3 (mistralai/Mistral-7B-v0.3 config.json): Llama-shaped, 32,768-token vocabulary, rope_theta 1e6,
     # sliding_window null (full attention).
     "mistral-7b": dict(model_type="mistral", vocab_size=32768, hidden_size=4096, intermediate_size=14336,
@@ -101,4 +113,11 @@ PRESETS: dict[str, dict[str, Any]] = {
                          num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
                          max_position_embeddings=1024, rope_theta=10000.0, rms_norm_eps=1e-5,
                          tie_word_embeddings=False),
+    # A debug mixture of experts, the shape of tiny-qwen3: 8 experts of width 32, 2 per token, every layer sparse
+    # except layer 1 (a dense MLP, so both kinds of block are exercised); the auxiliary loss at 0.01.
+    "tiny-moe": dict(model_type="qwen3_moe", vocab_size=256, hidden_size=64, intermediate_size=176,
+                     moe_intermediate_size=32, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
+                     head_dim=32, max_position_embeddings=1024, rope_theta=10000.0, rms_norm_eps=1e-6,
+                     tie_word_embeddings=False, num_experts=8, num_experts_per_tok=2, norm_topk_prob=True,
+                     router_aux_loss_coef=0.01, mlp_only_layers=(1,)),
 }
