@@ -23,8 +23,10 @@ import torch
 
 from helpers.launch import TESTS, launch
 from lightning_hybrid.models.decoder.config import DecoderConfig
-from lightning_hybrid.models.decoder.model import Decoder
+from lightning_hybrid.models.decoder.model import MLP, Decoder
+from lightning_hybrid.models.decoder.moe import MoE
 from lightning_hybrid.models.decoder.rope import rotary_at
+from lightning_hybrid.models.fused import FusedLinear
 from lightning_hybrid.models.spec import ParallelSpec
 
 FIXTURE = TESTS / "fixtures" / "pre_fusion_checkpoint"
@@ -32,7 +34,11 @@ EXACT = 1e-6  # fp32: the fused GEMM sums the input gradient in another order th
 FAMILIES = {"qwen2": {}, "llama": {"model_type": "llama"}, "qwen3": {"model_type": "qwen3", "head_dim": 16},
             "llama3-rope": {"model_type": "llama", "rope_scaling": {"rope_type": "llama3", "factor": 8.0,
                                                                     "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-                                                                    "original_max_position_embeddings": 16}}}
+                                                                    "original_max_position_embeddings": 16}},
+            # Qwen3-MoE: attention fused in every block, gate/up in the dense block (1); the experts of block 0 keep
+            # their own 3-D gate_up_proj (one grouped GEMM already)
+            "qwen3-moe": {"model_type": "qwen3_moe", "head_dim": 16, "num_experts": 4, "num_experts_per_tok": 2,
+                          "moe_intermediate_size": 16, "mlp_only_layers": (1,), "router_aux_loss_coef": 0.1}}
 
 
 def config(**overrides) -> DecoderConfig:
@@ -79,7 +85,12 @@ def test_fused_projections_equal_unfused_on_one_process(family, documents):
     cfg = config(**FAMILIES[family])
     ids, positions = inputs(cfg)
     fused, unfused = model(cfg, True), model(cfg, False)
-    assert type(fused.layers["0"].self_attn.qkv).__name__ == "FusedLinear" and unfused.layers["0"].mlp.gate_up is None
+    dense = [block.mlp for block in fused.layers.values() if isinstance(block.mlp, MLP)]
+    assert dense and all(isinstance(mlp.gate_up, FusedLinear) for mlp in dense)
+    assert all(isinstance(block.self_attn.qkv, FusedLinear) for block in fused.layers.values())
+    assert all(block.self_attn.qkv is None and getattr(block.mlp, "gate_up", None) is None
+               for block in unfused.layers.values())
+    assert (family == "qwen3-moe") == any(isinstance(block.mlp, MoE) for block in fused.layers.values())
     a = forward_backward(fused, ids, positions if documents else None)
     b = forward_backward(unfused, ids, positions if documents else None)
     assert relative(a[0], b[0]) < EXACT and relative(a[1], b[1]) < EXACT, (relative(a[0], b[0]), relative(a[1], b[1]))

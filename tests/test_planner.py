@@ -251,7 +251,8 @@ def measure_saved_bytes(config: Qwen2Config, dtype: torch.dtype, batch: int, seq
         from torch.utils.checkpoint import checkpoint
 
         for block in model.layers.values():
-            block.forward = (lambda f: lambda x: checkpoint(f, x, use_reentrant=False))(block.forward)
+            # the block's keywords (the rotary tables made once per forward) pass through the checkpoint
+            block.forward = (lambda f: lambda x, **kw: checkpoint(f, x, use_reentrant=False, **kw))(block.forward)
     ids = torch.randint(0, config.vocab_size, (batch, seq))
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
         with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
