@@ -268,7 +268,7 @@ def test_activation_estimate_is_within_20_percent_of_measured_for_tiny(precision
     dtype = torch.bfloat16 if precision == "bf16-true" else torch.float32
     measured = measure_saved_bytes(config, dtype, batch, seq, recompute == "full", precision == "bf16-mixed")
     act = activation_model(config, 1, False, recompute, precision, seq)
-    predicted = (config.num_hidden_layers * act.layer + act.embedding + act.head) * batch * seq
+    predicted = (config.num_hidden_layers * act.layer + act.stage + act.embedding + act.head) * batch * seq
     if precision == "bf16-mixed" and recompute == "none":
         # autocast's bf16 weight copies are saved too (not under recompute); the planner counts them apart
         mem = rank_memory(config, 1, 1, 1, "replicate", precision=precision)

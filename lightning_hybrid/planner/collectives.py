@@ -10,9 +10,11 @@ runs the TP matmuls on the gathered weights' dtype, so autocast does not make th
 
 **tp** (per micro-batch; torch's ``ColwiseParallel``/``RowwiseParallel`` plans of ``tensor_parallel.py``):
 
-* Without sequence parallel, per block: forward 2 all-reduces ``A`` (o_proj and down_proj outputs); backward 5
-  (the input gradient of each colwise projection q, k, v, gate and up: each module turns its plain input into its
-  own replicated DTensor, so their gradients are reduced one by one, not once per attention/MLP as in Megatron).
+* Without sequence parallel, per block: forward 2 all-reduces ``A`` (o_proj and down_proj outputs); backward 2
+  with fused projections (``Runtime.fused_projections``, this project's decoder: the input gradient of q/k/v and of
+  gate/up leaves each fused GEMM as one partial sum, as in Megatron), else 5 (the input gradient of each colwise
+  projection q, k, v, gate and up: each module turns its plain input into its own replicated DTensor, so their
+  gradients are reduced one by one).
   The embedding: 1 all-reduce forward. The head: 1 all-reduce of its input gradient and 1 all-gather of the
   logits ``L`` (the loss sees the full vocabulary).
 * With sequence parallel, per block: forward 2 all-gathers ``A`` (attention and MLP inputs) and 2 reduce-scatters
@@ -69,26 +71,34 @@ from lightning_hybrid.distributed.options import GRADIENT_BUCKET_BYTES
 from lightning_hybrid.planner.layout import Layout, Problem
 from lightning_hybrid.planner.memory import chunk_rows, rank_parameter_shapes, split_blocks
 
-__all__ = ["predicted_collectives", "COLWISE_PER_BLOCK", "tp_all_reduce_equivalents", "fsdp_block_gathers"]
+__all__ = ["predicted_collectives", "COLWISE_PER_BLOCK", "FUSED_COLWISE_PER_BLOCK", "colwise_all_reduces",
+           "tp_all_reduce_equivalents", "fsdp_block_gathers"]
 
 Table = dict[str, dict[str, list[int]]]
 Add = Callable[[str, str, int, int], None]  # (dimension, kind, calls, bytes of each call)
 
 COLWISE_PER_BLOCK = 5  # q, k, v, gate, up: one input-gradient all-reduce each without sequence parallel
+FUSED_COLWISE_PER_BLOCK = 2  # fused q/k/v and gate/up: one input-gradient all-reduce per fused GEMM
 _SCHEDULES = ("none", "1f1b", "gpipe")
 _SCALAR = 4  # a float32 loss statistic
 _NORM_SQUARED = 8  # the float64 squared gradient norm
 
 
-def tp_all_reduce_equivalents(sequence_parallel: bool) -> tuple[float, float]:
+def colwise_all_reduces(fused_projections: bool) -> int:
+    """Backward all-reduces of the colwise projections' input gradients per block without sequence parallel: one
+    per fused GEMM (q/k/v, gate/up) or one per projection."""
+    return FUSED_COLWISE_PER_BLOCK if fused_projections else COLWISE_PER_BLOCK
+
+
+def tp_all_reduce_equivalents(sequence_parallel: bool, fused_projections: bool = True) -> tuple[float, float]:
     """TP traffic of one block and micro-batch in all-reduces of the residual stream (an all-gather and a
     reduce-scatter make one): (forward and backward, added by a replayed forward). The planner's time model uses it.
 
-    Without sequence parallel 2 + 5 (the colwise projections' input gradients, one by one) and 1 replayed (the
-    down projection's, after the last saved tensor, is not); with it 4 pairs, and 2 all-gathers and 1
-    reduce-scatter replayed.
+    Without sequence parallel 2 + the colwise input gradients (2 fused, 5 one by one: :func:`colwise_all_reduces`)
+    and 1 replayed (the down projection's, after the last saved tensor, is not); with it 4 pairs, and 2 all-gathers
+    and 1 reduce-scatter replayed.
     """
-    return (4.0, 1.5) if sequence_parallel else (2.0 + COLWISE_PER_BLOCK, 1.0)
+    return (4.0, 1.5) if sequence_parallel else (2.0 + colwise_all_reduces(fused_projections), 1.0)
 
 
 def fsdp_block_gathers(pp: int, microbatches: int, reshard_after_forward: Union[bool, str] = True) -> int:
@@ -153,7 +163,8 @@ def _tensor_parallel(add: Add, problem: "Problem", layout: "Layout", pp_rank: in
         add("tp", "all_reduce", 3 * m * head, layout.micro_batch_size * problem.seq_len * 4)
         logits = 0
     if not layout.sequence_parallel:
-        add("tp", "all_reduce", m * (len(blocks) * (2 + COLWISE_PER_BLOCK) + replayed + embedding + head), act)
+        colwise = colwise_all_reduces(problem.runtime.fused_projections)
+        add("tp", "all_reduce", m * (len(blocks) * (2 + colwise) + replayed + embedding + head), act)
         add("tp", "all_gather", m * head * bool(logits), logits)
     else:
         add("tp", "all_gather", m * (4 * len(blocks) + 2 * replayed + embedding + head), act)

@@ -67,7 +67,8 @@ class LayoutShape:
 def layout_shape(problem: Problem, layout: Layout) -> LayoutShape:
     num_stages = layout.pp * layout.virtual_stages
     activations = activation_model(problem.config, layout.tp, layout.sequence_parallel, layout.recompute,
-                                   problem.precision, problem.seq_len, problem.runtime.loss_parallel)
+                                   problem.precision, problem.seq_len, problem.runtime.loss_parallel,
+                                   problem.runtime.fused_projections)
     # a rank holds seq_len / cp tokens of each sequence: activations and per-token work divide by cp
     return LayoutShape(tokens=layout.micro_batch_size * problem.seq_len // layout.cp, activations=activations,
                         rank_stages=rank_stages(layout.pp, layout.virtual_stages),
@@ -93,7 +94,7 @@ def _held_activation_bytes(layout: Layout, shape: LayoutShape, pp_rank: int, kee
     ``return_outputs=False``)."""
     act, counts = shape.activations, shape.stage_blocks
     inflight = inflight_microbatches(layout.schedule, layout.pp, layout.virtual_stages, layout.microbatches, pp_rank)
-    held = sum(n * ((counts[s] * act.layer + (act.embedding if s == 0 else 0)
+    held = sum(n * ((counts[s] * act.layer + act.stage + (act.embedding if s == 0 else 0)
                      + (act.head if s == shape.last_stage else 0)) * shape.tokens + counts[s] * shape.gathered_kv)
                for n, s in zip(inflight, shape.rank_stages[pp_rank]))
     if layout.pp > 1 and shape.last_stage in shape.rank_stages[pp_rank]:

@@ -283,6 +283,8 @@ class ActivationModel:
         logits: the last stage's output, the logits in the compute dtype (all-gathered to the full vocabulary,
             or this rank's vocabulary shard under loss parallel): a pipeline's last stage holds them per micro-batch in
             flight (or, when its schedule returns its outputs, per micro-batch of the step).
+        stage: what every stage holds once, whatever its blocks: the rotary cos and sin tables, made once per
+            forward of the stage and read by all its blocks (per position; exact for one sequence per micro-batch).
     """
 
     layer: float
@@ -291,6 +293,7 @@ class ActivationModel:
     layer_working: float
     loss_working: float
     logits: float = 0.0
+    stage: float = 0.0
 
 
 def _norm_saved(h: float, prec: Precision, tp: int, sp: bool, consumers: int) -> float:
@@ -307,15 +310,16 @@ def _norm_saved(h: float, prec: Precision, tp: int, sp: bool, consumers: int) ->
 
 
 def activation_model(config: Qwen2Config, tp: int = 1, sequence_parallel: bool = False, recompute: str = "none",
-                     precision: str = "bf16-mixed", seq_len: int = 4096, loss_parallel: bool = False
-                     ) -> ActivationModel:
+                     precision: str = "bf16-mixed", seq_len: int = 4096, loss_parallel: bool = False,
+                     fused_projections: bool = True) -> ActivationModel:
     """Saved-for-backward bytes per token for this Qwen2 implementation (see the module docstring).
 
     ``recompute``: ``"none"``; ``"selective"`` keeps the block input and the outputs of the matmuls and of
     attention and recomputes norms, rotary, SiLU and products (an op-level policy that adds no matmul
     FLOPs); ``"full"`` keeps only each block's input and recomputes the block in backward. ``loss_parallel``: the
     head's logits stay vocabulary shards (``vocab / tp`` per rank) through the loss; else (and at ``tp == 1``) every
-    TP rank holds the full vocabulary.
+    TP rank holds the full vocabulary. ``fused_projections``: q/k/v run as one GEMM (this project's decoder), whose
+    one output Qwen3's fp32 q/k norms keep whole (their saved inputs are views of it, v's rows included).
     """
     c, prec = config, PRECISIONS[_choice("precision", precision, tuple(PRECISIONS))]
     mode = _choice("recompute", recompute, RECOMPUTE)
@@ -326,13 +330,18 @@ def activation_model(config: Qwen2Config, tp: int = 1, sequence_parallel: bool =
     inter = c.intermediate_size
     kv_saved = q if c.num_attention_heads > c.num_key_value_heads else kv  # k, v repeated to the query heads
     lse = 4 * c.num_attention_heads  # fp32 log-sum-exp per head
-    rotary = 2 * d * a  # cos and sin tables of the block (per position; exact for one sequence per micro-batch)
+    # cos and sin tables, made once per forward of a stage (per position; exact for one sequence per micro-batch)
+    rotary = 2 * d * a
     # q, k, v and the attention output (o_proj's input is a view of it)
-    attention = (a * (q + 2 * kv_saved + q) + lse) / tp + rotary
+    attention = (a * (q + 2 * kv_saved + q) + lse) / tp
     mlp = 4 * a * inter / tp  # gate out (silu input), silu out, up out, product (down input)
     # Qwen3's per-head q/k norms: the fp32 input, the fp32 rsqrt per head and the normalized value in the compute
     # dtype (the weight's multiply saves it) for q and for k; the rotary products after them save only cos and sin.
     qk_norm = ((4 + a) * (q + kv) + 4 * (c.num_attention_heads + c.num_key_value_heads)) / tp if c.qk_norm else 0.0
+    if c.qk_norm and fused_projections and a == 4:
+        # in fp32 the norms' float() is the projection output itself: a view of the fused q/k/v output, which stays
+        # whole, v's rows too (in a low-precision dtype float() copies and the fused output is not kept)
+        qk_norm += a * kv / tp
     full = _norm_saved(h, prec, tp, sp, 3) + _norm_saved(h, prec, tp, sp, 2) + attention + mlp + qk_norm
     block_input = prec.residual * h / (tp if sp else 1)
     if mode == "none":
@@ -356,7 +365,7 @@ def activation_model(config: Qwen2Config, tp: int = 1, sequence_parallel: bool =
     loss_working = (12 if loss_parallel and tp > 1 else 8) * vocab
     return ActivationModel(layer=layer, embedding=8.0, head=head,
                            layer_working=full + (full if mode != "none" else 0.0), loss_working=loss_working,
-                           logits=a * vocab)
+                           logits=a * vocab, stage=rotary)
 
 
 def inflight_microbatches(schedule: str, pp: int, virtual_stages: int, microbatches: int,
