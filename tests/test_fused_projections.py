@@ -205,6 +205,27 @@ def test_float8_runs_one_gemm_per_fused_group(recipe, monkeypatch):
     assert (between == 0.0) if recipe == "rowwise" else (between < 0.05), between
 
 
+def test_float8_in_a_mixture_of_experts_runs_attention_and_the_dense_mlp_as_fused_float8_gemms(monkeypatch):
+    """Qwen3-MoE under float8 (rowwise, torchao's emulated GEMMs): every block's q/k/v and the dense block's gate/up
+    become one float8 GEMM each; a sparse block has no dense MLP to convert (its experts stay bf16), which the
+    conversion skips instead of failing on the missing ``mlp.gate_proj``."""
+    pytest.importorskip("torchao")
+    from lightning_hybrid.distributed.float8 import FLOAT8_EMULATE_ENV, Float8FusedLinear, convert_float8
+
+    monkeypatch.setenv(FLOAT8_EMULATE_ENV, "1")
+    cfg = config(**{**FAMILIES["qwen3-moe"], "hidden_size": 64, "intermediate_size": 96})
+    ids = torch.randint(0, cfg.vocab_size, (2, 32), generator=torch.Generator().manual_seed(1))
+    bf16, converted = model(cfg).to(torch.bfloat16), model(cfg).to(torch.bfloat16)
+    chosen = convert_float8(converted, converted.parallel_spec(), "rowwise", tp=1, fsdp=False)
+    assert not [name for name in chosen if name.startswith("layers.0.mlp.")], chosen  # block 0 is sparse
+    assert {"layers.1.mlp.gate_proj", "layers.0.self_attn.v_proj"} <= set(chosen)
+    assert all(isinstance(block.self_attn.qkv, Float8FusedLinear) for block in converted.layers.values())
+    assert isinstance(converted.layers["1"].mlp.gate_up, Float8FusedLinear)
+    assert isinstance(converted.layers["0"].mlp, MoE)
+    to_bf16 = relative(forward_backward(converted, ids, None)[0], forward_backward(bf16, ids, None)[0])
+    assert 1e-3 < to_bf16 < 0.06, to_bf16
+
+
 def test_under_mxfp8_a_biased_linear_is_converted_only_inside_a_group_that_runs_fused():
     """torchao's MXFP8 linear drops ``F.linear``'s bias: the q/k/v biases are only safe inside the fused GEMM, which
     adds them. A group with a part that cannot be converted runs unfused, so its biased parts stay bf16 too."""

@@ -80,12 +80,13 @@ def check_float8_device(float8: Optional[str], device: torch.device) -> None:
 def float8_skipped(module: nn.Module, spec: ParallelSpec, recipe: str, tp: int) -> dict[str, str]:
     """Block linears of ``module`` that ``recipe`` cannot take: name -> why (a dimension of the tensor-parallel shard
     that is not a multiple of 16, or 32 for MXFP8; under MXFP8 a bias outside a fused projection that runs fused:
-    torchao's MXFP8 linear leaves ``F.linear``'s bias out, while :class:`Float8FusedLinear` adds it)."""
+    torchao's MXFP8 linear leaves ``F.linear``'s bias out, while :class:`Float8FusedLinear` adds it). A block
+    holds only some of ``block_plan``'s linears where a mixture of experts replaces its MLP (its experts stay bf16)."""
     divisor = _DIVISOR[recipe]
     skipped = {}
     for index, block in (getattr(module, spec.blocks, None) or {}).items():
         shape = {}
-        for name, style in spec.block_plan.items():
+        for name, style in _held_plan(block, spec).items():
             linear = block.get_submodule(name)
             # The sharded dimension is divided over tp: colwise splits the output, rowwise the input.
             out_f = linear.out_features // (tp if style == "colwise" else 1)
@@ -95,7 +96,7 @@ def float8_skipped(module: nn.Module, spec: ParallelSpec, recipe: str, tp: int) 
         # a fused group runs fused under float8 only when all its parts are converted
         fused = {part for group, parts in spec.fused_projections.items()
                  if _held(block, group) and not shape.keys() & set(parts) for part in parts}
-        for name in spec.block_plan:
+        for name in _held_plan(block, spec):
             if name not in shape and recipe == "mxfp8" and block.get_submodule(name).bias is not None \
                     and name not in fused:
                 shape[name] = "a bias (torchao's MXFP8 linear would drop it)"
@@ -115,7 +116,7 @@ def convert_float8(module: nn.Module, spec: ParallelSpec, recipe: str, tp: int, 
     """
     skipped = float8_skipped(module, spec, recipe, tp)
     blocks = getattr(module, spec.blocks, None) or {}
-    targets = [f"{spec.blocks}.{i}.{name}" for i in blocks for name in spec.block_plan]
+    targets = [f"{spec.blocks}.{i}.{name}" for i, block in blocks.items() for name in _held_plan(block, spec)]
     chosen = [name for name in targets if name not in skipped]
     if skipped and tuple(skipped) not in _LOGGED:
         _LOGGED.add(tuple(skipped))
@@ -218,6 +219,11 @@ def _all_float8(module: nn.Module) -> bool:
 def _held(block: nn.Module, name: str) -> bool:
     owner, _, attr = name.rpartition(".")
     return getattr(block.get_submodule(owner) if owner else block, attr, None) is not None
+
+
+def _held_plan(block: nn.Module, spec: ParallelSpec) -> dict[str, str]:
+    """The entries of ``spec.block_plan`` that ``block`` holds (a mixture-of-experts block has no dense MLP)."""
+    return {name: style for name, style in spec.block_plan.items() if _held(block, name)}
 
 
 def _float8_part(linear: nn.Module) -> Optional[Any]:
