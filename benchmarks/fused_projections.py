@@ -1,17 +1,18 @@
 """Fused projections and rotary tables made once (issue #49): step-time ratios on 4 CPU processes, and the dry run's
 CPU time of rank 0 of the 72B SFT recipe before and after.
 
-**Step time** (``python benchmarks/fused_projections.py``): one ``torchrun`` of 4 gloo processes trains, inside one
-process group, at tp2 x dp2 (FSDP2, ``32-true``):
+**Step time** (``python benchmarks/fused_projections.py``): ``torchrun`` launches of 4 gloo processes train at
+tp2 x dp2 (FSDP2, ``32-true``):
 
 * fused q/k/v and gate/up GEMMs against the three and two separate ones (the rotary tables made once in both);
 * the rotary tables made once per forward against once per attention layer (the code before; fused in both),
   on plain rows and on packed documents (``position_ids``, the SFT recipes' layout);
 
 for the tiny model (4 blocks, width 64, 8 x 128 tokens per dp rank) and a wider one (4 blocks, width 256,
-8 query / 2 KV heads, 4 x 256 tokens), with and without sequence parallelism. Each pair runs ``--rounds`` times in
-alternating order (A B, then B A, ...); a cell is the median over rounds of the median interval between the ends of
-consecutive optimizer steps on rank 0 (``--steps`` after ``--warmup``), and the ratio is on / off of those medians.
+8 query / 2 KV heads, 4 x 256 tokens), with and without sequence parallelism. Each pair is one launch (both sides in
+the same processes) that runs it ``--rounds`` times in alternating order (A B, then B A, ...); a cell is the median
+over rounds of the median interval between the ends of consecutive optimizer steps on rank 0 (``--steps`` after
+``--warmup``), and the ratio is on / off of those medians.
 
 **Dry run** (``--dry-run``): rank 0 of ``recipes/qwen2.5-72b-sft.yaml`` traced as ``lightning-hybrid dry-run --ranks 0``
 traces it (fake process group, fake tensors, 3 micro-batches of 32,768 tokens with packed documents), each variant
@@ -117,22 +118,22 @@ def _step_times(variant: dict, model: str, sequence_parallel: bool, documents: b
     return [b - a for a, b in zip(ends[warmup:], ends[warmup + 1:])]
 
 
-def worker(out: Path, steps: int, warmup: int, rounds: int, models: list[str]) -> None:
-    """One torchrun process: every model, layout and pair, alternating; rank 0 writes the medians as JSON."""
-    rows = []
-    for model in models:
-        for sequence_parallel in (False, True):
-            for pair, (on, off, documents) in PAIRS.items():
-                times: dict[str, list[float]] = {"on": [], "off": []}
-                for r in range(rounds):
-                    order = (("on", on), ("off", off)) if r % 2 == 0 else (("off", off), ("on", on))
-                    for label, variant in order:
-                        times[label].append(statistics.median(
-                            _step_times(variant, model, sequence_parallel, documents, steps, warmup)))
-                rows.append({"model": model, "sp": sequence_parallel, "pair": pair,
-                             "on": statistics.median(times["on"]), "off": statistics.median(times["off"])})
+def worker(out: Path, steps: int, warmup: int, rounds: int, model: str, sequence_parallel: bool, pair: str) -> None:
+    """One torchrun process: both sides of one pair, alternating; rank 0 writes the medians as JSON.
+
+    One launch per pair: every ``Trainer.fit`` builds its mesh's process groups anew and nothing destroys them (gloo
+    keeps ~24 threads per process for each fit), so one launch for all pairs ended with over 1,000 threads per
+    process."""
+    on, off, documents = PAIRS[pair]
+    times: dict[str, list[float]] = {"on": [], "off": []}
+    for r in range(rounds):
+        order = (("on", on), ("off", off)) if r % 2 == 0 else (("off", off), ("on", on))
+        for label, variant in order:
+            times[label].append(statistics.median(
+                _step_times(variant, model, sequence_parallel, documents, steps, warmup)))
     if int(os.environ["RANK"]) == 0:
-        out.write_text(json.dumps(rows))
+        out.write_text(json.dumps({"model": model, "sp": sequence_parallel, "pair": pair,
+                                   "on": statistics.median(times["on"]), "off": statistics.median(times["off"])}))
 
 
 def step_table(rows: list[dict]) -> str:
@@ -281,6 +282,7 @@ def main() -> None:
     parser.add_argument("--width", type=int, default=None, help="for --gemm: input width (cpu 1024, cuda 8192)")
     parser.add_argument("--tokens", type=int, default=None, help="for --gemm: tokens (cpu 512, cuda 4096)")
     parser.add_argument("--worker-out", default=None, help=argparse.SUPPRESS)
+    parser.add_argument("--cell", default=None, help=argparse.SUPPRESS)  # a worker's model, sp (0/1), pair index
     args = parser.parse_args()
     if args.gemm:
         cuda = args.device == "cuda"
@@ -290,11 +292,14 @@ def main() -> None:
         print(dry_run_table(args.before, args.repeats))
         return
     if args.worker_out:
-        return worker(Path(args.worker_out), args.steps, args.warmup, args.rounds, args.models.split(","))
+        model, sp, pair = args.cell.split(",")
+        return worker(Path(args.worker_out), args.steps, args.warmup, args.rounds, model, sp == "1",
+                      list(PAIRS)[int(pair)])
     from runtime import run_workers  # benchmarks/runtime.py, beside this script
 
-    print(step_table(run_workers(__file__, ["--steps", str(args.steps), "--warmup", str(args.warmup),
-                                            "--rounds", str(args.rounds), "--models", args.models])))
+    common = ["--steps", str(args.steps), "--warmup", str(args.warmup), "--rounds", str(args.rounds)]
+    cells = [f"{model},{sp},{pair}" for model in args.models.split(",") for sp in (0, 1) for pair in range(len(PAIRS))]
+    print(step_table([run_workers(__file__, [*common, "--cell", cell]) for cell in cells]))
 
 
 if __name__ == "__main__":
