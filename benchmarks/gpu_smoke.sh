@@ -23,6 +23,9 @@
 #              losses within 3%, the step-time ratio printed (not run on hardware yet)
 #   mxfp8      the same with float8="mxfp8" (torchao's MX training), on a GPU of compute capability 10.0 or more
 #              (Blackwell); below it the step is "skipped" in seconds (not run on hardware yet)
+#   fused      benchmarks/fused_projections.py --gemm --device cuda: q/k/v and gate/up of Qwen2.5-72B at tp=8 per rank
+#              (bf16, 4,096 tokens) as one GEMM each against separate GEMMs, forward and backward, and the share of
+#              the weights' concatenation (not run on hardware yet)
 #   moe        benchmarks/moe.py --grouped-check: torch._grouped_mm against the per-expert loop on CUDA in bf16 (outputs
 #              and gradients, one layer's experts at Qwen3-30B-A3B's expert size, timed), then the tiny-moe recipe on
 #              1 GPU with NCCL, bf16-mixed, 20 steps (ep=1: one GPU has no all-to-all; not run on hardware yet)
@@ -36,7 +39,7 @@
 set -uo pipefail
 
 SKIPPED=77  # exit code of a step that does not apply to this GPU (mxfp8 below compute capability 10.0)
-STEPS_ALL="mfu tiny-nccl preflight ckpt gpu-health docmask async-tp float8 mxfp8 moe eval"
+STEPS_ALL="mfu tiny-nccl preflight ckpt gpu-health docmask async-tp float8 mxfp8 fused moe eval"
 OUT=gpu-smoke
 GPU=h200
 ONLY=""
@@ -100,6 +103,7 @@ $(command -v $LH || echo $LH) fit --config $TINY ${ON_GPU[*]} ${MONITOR[*]} --tr
         mxfp8) printf '%s\n' bash -c "python -c 'import sys, torch; \
 sys.exit(0 if torch.cuda.get_device_capability() >= (10, 0) else $SKIPPED)' && python \
 $HERE/benchmarks/float8_smoke.py --preset qwen2.5-1.5b --float8 mxfp8 --steps 50" ;;
+        fused) printf '%s\n' python "$HERE/benchmarks/fused_projections.py" --gemm --device cuda ;;
         moe) printf '%s\n' bash -c "set -e; python $HERE/benchmarks/moe.py --grouped-check; torchrun \
 --nproc_per_node 1 $(command -v $LH || echo $LH) fit --config $TINY_MOE ${ON_GPU[*]} --trainer.strategy.ep 1 \
 --trainer.max_steps 20" ;;
@@ -112,8 +116,8 @@ torchrun --nproc_per_node 1 $(command -v $LH || echo $LH) eval --config $TINY ${
     esac
 }
 LIMITS="mfu=180 tiny-nccl=90 preflight=120 ckpt=150 gpu-health=90 docmask=90 async-tp=300 float8=240 mxfp8=240
-moe=120 eval=120"
-# seconds: 1740 s in all, 1500 s where mxfp8 is skipped (below compute capability 10.0)
+fused=60 moe=120 eval=120"
+# seconds: 1800 s in all, 1560 s where mxfp8 is skipped (below compute capability 10.0)
 
 if [ "$PRINT" = 1 ]; then
     for step in $STEPS; do
@@ -151,6 +155,8 @@ for step in $STEPS; do
         docmask) FIGURE[$step]=$(grep -E '^\| cuda' "$OUT/$step.log" | tail -1) ;;
         async-tp) FIGURE[$step]=$(grep -E '^async_tp (step time|loss agreement)' "$OUT/$step.log" | tr '\n' ' ') ;;
         float8|mxfp8) FIGURE[$step]=$(grep -E '^loss relative difference' "$OUT/$step.log") ;;
+        fused) FIGURE[$step]=$(grep -E '^\| (q/k/v|gate/up) ' "$OUT/$step.log" | awk -F'|' '{print $2 "fused/separate" $7}' \
+                   | tr -s ' ' | tr '\n' ' ') ;;
         moe) FIGURE[$step]=$(grep -E '^grouped GEMM vs loop|throughput: [0-9,]+ tokens/s' "$OUT/$step.log" \
                  | tail -2 | tr '\n' ' ') ;;
         eval) FIGURE[$step]=$(grep -E '^\|tiny_mc' "$OUT/$step.log" | tr -s ' ' | head -1) ;;

@@ -70,8 +70,12 @@ def hand_tensor_parallel(model, tp_mesh) -> None:
         outer["lm_head"] = ColwiseParallel(output_layouts=Replicate())
     if outer:
         parallelize_module(model, tp_mesh, outer)
+    from lightning_hybrid.distributed.tensor_parallel import FusedColwiseParallel
+
     plan = {name: ColwiseParallel() if style == "colwise" else RowwiseParallel()
             for name, style in spec.block_plan.items()}
+    # q/k/v and gate/up run as one GEMM of this rank's shards (the model's fused modules)
+    plan.update({name: FusedColwiseParallel() for name in spec.fused_projections})
     for block in model.layers.values():
         parallelize_module(block, tp_mesh, plan)
 

@@ -173,19 +173,24 @@ def main() -> None:
         return async_tp_compare(args.steps, args.warmup)
     if args.worker_out:
         return worker(Path(args.worker_out), args.steps, args.warmup)
+    print(table(run_workers(__file__, ["--steps", str(args.steps), "--warmup", str(args.warmup)])))
+
+
+def run_workers(script: str, args: list[str], nproc: int = 4) -> object:
+    """``torchrun`` of ``script args --worker-out FILE`` on ``nproc`` CPU processes (one thread each); what rank 0
+    wrote to FILE, read as JSON. Exits with the workers' error output if they fail."""
     import subprocess
 
     from lightning_hybrid.launch.torchrun import launcher_command
 
     with tempfile.TemporaryDirectory() as tmp:
-        out = Path(tmp) / "runtime.json"
+        out = Path(tmp) / "workers.json"
         env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": f"{ROOT}:{os.environ.get('PYTHONPATH', '')}"}
-        cmd = [*launcher_command(4), __file__, "--steps", str(args.steps), "--warmup", str(args.warmup),
-               "--worker-out", str(out)]
-        done = subprocess.run(cmd, env=env, capture_output=True, text=True)
+        done = subprocess.run([*launcher_command(nproc), script, *args, "--worker-out", str(out)], env=env,
+                              capture_output=True, text=True)
         if done.returncode != 0:
             sys.exit(f"benchmark workers failed ({done.returncode}):\n{done.stderr[-6000:]}")
-        print(table(json.loads(out.read_text())))
+        return json.loads(out.read_text())
 
 
 if __name__ == "__main__":

@@ -305,7 +305,7 @@ def test_planner_counts_exactly_what_selective_recompute_keeps_per_block_and_tok
     from lightning_hybrid.dryrun.cli import role_pool
     from lightning_hybrid.dryrun.rank import run_rank
     from lightning_hybrid.models.qwen2.config import Qwen2Config
-    from lightning_hybrid.planner.memory import activation_model
+    from lightning_hybrid.planner.activations import activation_model
 
     cases = [(sp, layers) for sp in (False, True) for layers in (2, 6)]
     with role_pool(2) as pool:
@@ -326,7 +326,7 @@ def test_planner_counts_exactly_what_qwen3_q_k_norms_keep_per_block_and_token() 
     from lightning_hybrid.dryrun.cli import role_pool
     from lightning_hybrid.dryrun.rank import run_rank
     from lightning_hybrid.models.qwen2.config import Qwen2Config
-    from lightning_hybrid.planner.memory import activation_model
+    from lightning_hybrid.planner.activations import activation_model
 
     cases = [(mode, layers) for mode in ("none", "selective") for layers in (2, 6)]
     with role_pool(2) as pool:
@@ -393,7 +393,7 @@ def test_a_loss_parallel_trace_holds_what_the_planner_counts_not_global_shape_ph
     import sys
 
     from lightning_hybrid.models.qwen2.config import Qwen2Config
-    from lightning_hybrid.planner.memory import activation_model
+    from lightning_hybrid.planner.activations import activation_model
 
     result = subprocess.run([sys.executable, "-c", LOSS_PARALLEL_TRACE], capture_output=True, text=True, timeout=100,
                             env={**os.environ, "OMP_NUM_THREADS": "1"}, cwd=ROOT)

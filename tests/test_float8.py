@@ -99,15 +99,20 @@ def test_float8_trains_like_bf16(numerics, recipe):
 
 @pytest.mark.timeout(600)
 def test_converted_layers_run_scaled_mm(monkeypatch):
-    """The real kernel: tensorwise on the tiny model converts all 7 block linears of the 4 blocks (28 x 3 GEMMs per
-    step: forward, input and weight gradients); with an MLP width of 168 (not a multiple of 16) the filter leaves
-    gate/up/down in bf16, names them once in the log, and 16 x 3 GEMMs remain. The real kernel's losses equal the
-    emulation's to bf16 rounding."""
+    """The real kernel: tensorwise on the tiny model converts all 7 block linears of the 4 blocks, and q/k/v and
+    gate/up run as one float8 GEMM each (fused projections): 4 GEMMs per block, 16 x 3 per step (forward, input and
+    weight gradients); with an MLP width of 168 (not a multiple of 16) the filter leaves gate/up/down in bf16, names
+    them once in the log, and the fused q/k/v and o remain: 8 x 3. The real kernel's losses equal the emulation's to
+    bf16 rounding."""
     from torchao.float8.float8_linear import Float8Linear
+
+    from lightning_hybrid.distributed.float8 import Float8FusedLinear
 
     counter = ScaledMMCounter(monkeypatch)
     losses, module = fit_one_process("tensorwise", 1)
-    assert counter.calls == 28 * 3
+    assert counter.calls == 16 * 3
+    assert all(isinstance(module.model.layers[str(i)].get_submodule(n), Float8FusedLinear) for i in range(4)
+               for n in ("self_attn.qkv", "mlp.gate_up"))
     assert all(isinstance(module.model.layers[str(i)].get_submodule(n), Float8Linear) for i in range(4)
                for n in ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
                          "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj"))
@@ -124,7 +129,7 @@ def test_converted_layers_run_scaled_mm(monkeypatch):
         real, module = fit_one_process("rowwise", 2, config={"intermediate_size": 168})
     finally:
         float8.log.removeHandler(handler)
-    assert counter.calls == 2 * 16 * 3
+    assert counter.calls == 2 * 8 * 3
     skipped = sorted(n for n, m in module.model.named_modules() if type(m) is torch.nn.Linear and n != "lm_head")
     assert skipped == sorted(f"layers.{i}.mlp.{p}_proj" for i in range(4) for p in ("gate", "up", "down"))
     logged = [r.getMessage() for r in records if "stay in bf16" in r.getMessage()]

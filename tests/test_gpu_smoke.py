@@ -22,7 +22,8 @@ def test_print_lists_the_steps_with_their_settings() -> None:
     assert result.returncode == 0, result.stderr
     lines = dict(line.split(": ", 1) for line in result.stdout.splitlines())
     assert list(lines) == ["mfu", "tiny-nccl", "preflight", "ckpt", "gpu-health", "docmask", "async-tp", "float8",
-                           "mxfp8", "moe", "eval"]
+                           "mxfp8", "fused", "moe", "eval"]
+    assert "fused_projections.py --gemm --device cuda" in lines["fused"]
     assert "benchmarks/moe.py --grouped-check" in lines["moe"] and "tiny-moe-cpu.yaml" in lines["moe"]
     assert "--trainer.strategy.ep 1" in lines["moe"] and "process_group_backend nccl" in lines["moe"]
     assert "float8_smoke.py --preset qwen2.5-1.5b --float8 rowwise --steps 50" in lines["float8"]

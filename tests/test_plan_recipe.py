@@ -152,8 +152,18 @@ def test_a_flag_beside_config_replaces_the_recipes_value_and_the_plan_says_where
     (["--explain", "8,1,fsdp"], "--explain 8,1,fsdp cannot apply with --config"),
     (["--global-batch", "100"], "--global-batch 100 does not split into the recipe's dp=8 x 128 micro-batches"),
     (["--seq-len", "0"], "--seq-len=0 must be positive"),
+    # float8 under a precision the strategy refuses it in (it planned 472.9% MFU against the fp32 peak before)
+    (["--float8", "rowwise", "--precision", "32-true"], "float8='rowwise' with precision='32-true' is not supported"),
 ])
 def test_a_flag_that_cannot_apply_beside_config_is_a_one_line_error(flags, message, capsys):
     assert run_plan(["--config", str(RECIPES / "qwen2.5-72b-pretrain.yaml"), *flags]) == 2
     captured = capsys.readouterr()
     assert not captured.out and len(captured.err.strip().splitlines()) == 1 and message in captured.err, captured.err
+
+
+def test_float8_under_a_precision_the_strategy_refuses_is_one_line_without_a_recipe_too(capsys):
+    assert run_plan("--model qwen2.5-7b --gpus 8 --float8 mxfp8 --precision 32-true".split()) == 2
+    captured = capsys.readouterr()
+    assert not captured.out and captured.err.strip().splitlines() == [
+        "lightning-hybrid plan: error: float8='mxfp8' with precision='32-true' is not supported: float8 matmuls take "
+        "bf16 activations; use precision='bf16-mixed' or 'bf16-true'"]

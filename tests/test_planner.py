@@ -13,10 +13,10 @@ import torch
 from lightning_hybrid.distributed.pipeline.schedules import stage_ids_for_rank
 from lightning_hybrid.distributed.pipeline.split import plan_stages, prune_to_stage
 from lightning_hybrid.models import Qwen2, Qwen2Config
+from lightning_hybrid.planner.activations import activation_model
 from lightning_hybrid.planner.cli import build_parser, build_problem
 from lightning_hybrid.planner.cli import run_plan as plan_main
 from lightning_hybrid.planner.interval import checkpoint_plan, young_daly_interval
-from lightning_hybrid.planner.memory import activation_model
 from lightning_hybrid.planner.search import Problem, explain, rank_memory, search
 
 REFERENCE = "--model qwen2.5-72b --gpus 128 --gpus-per-node 8 --gpu b300 --seq-len 4096".split()
@@ -251,7 +251,8 @@ def measure_saved_bytes(config: Qwen2Config, dtype: torch.dtype, batch: int, seq
         from torch.utils.checkpoint import checkpoint
 
         for block in model.layers.values():
-            block.forward = (lambda f: lambda x: checkpoint(f, x, use_reentrant=False))(block.forward)
+            # the block's keywords (the rotary tables made once per forward) pass through the checkpoint
+            block.forward = (lambda f: lambda x, **kw: checkpoint(f, x, use_reentrant=False, **kw))(block.forward)
     ids = torch.randint(0, config.vocab_size, (batch, seq))
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
         with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
@@ -267,7 +268,7 @@ def test_activation_estimate_is_within_20_percent_of_measured_for_tiny(precision
     dtype = torch.bfloat16 if precision == "bf16-true" else torch.float32
     measured = measure_saved_bytes(config, dtype, batch, seq, recompute == "full", precision == "bf16-mixed")
     act = activation_model(config, 1, False, recompute, precision, seq)
-    predicted = (config.num_hidden_layers * act.layer + act.embedding + act.head) * batch * seq
+    predicted = (config.num_hidden_layers * act.layer + act.stage + act.embedding + act.head) * batch * seq
     if precision == "bf16-mixed" and recompute == "none":
         # autocast's bf16 weight copies are saved too (not under recompute); the planner counts them apart
         mem = rank_memory(config, 1, 1, 1, "replicate", precision=precision)

@@ -119,10 +119,10 @@ def test_oversubscribed_cpu_cores_add_scheduling_waits_to_blocking_collectives_o
     replicate = Layout(tp=1, pp=1, dp=4, data_parallel="replicate", microbatches=1, schedule="none", **base)
     assert step(replicate, 0.01) == step(replicate, 0.0)  # DDP's bucketed all-reduce: not between compute bursts
     tensor = Layout(tp=4, pp=1, dp=1, data_parallel="fsdp", microbatches=1, schedule="none", **base)
-    # 4 blocks x 7 all-reduces (2 forward, 5 backward: one per colwise projection, as traced) + the embedding's
-    # all-reduce + the head's all-reduce and logits all-gather, per micro-batch: 6 ring steps per all-reduce, 3 per
-    # all-gather
-    assert step(tensor, 0.01)["tp_comm"] - step(tensor, 0.0)["tp_comm"] == pytest.approx((30 * 6 + 3) * 0.01)
+    # 4 blocks x 4 all-reduces (2 forward, 2 backward: one per fused q/k/v and gate/up GEMM, as traced) + the
+    # embedding's all-reduce + the head's all-reduce and logits all-gather, per micro-batch: 6 ring steps per
+    # all-reduce, 3 per all-gather
+    assert step(tensor, 0.01)["tp_comm"] - step(tensor, 0.0)["tp_comm"] == pytest.approx((18 * 6 + 3) * 0.01)
     pipeline = Layout(tp=1, pp=2, dp=2, data_parallel="fsdp", microbatches=4, schedule="1f1b", **base)
     assert step(pipeline, 0.0)["tp_comm"] == 0.0  # with a core each, the steady state's transfers overlap
     # each rank receives once per micro-batch (activations or gradients), one wait each

@@ -130,7 +130,7 @@ TRACED_SPARSE_BLOCK = {("none", 1): 8084.97, ("none", 2): 8116.97, ("selective",
 
 @pytest.mark.parametrize("recompute, ep", list(TRACED_SPARSE_BLOCK))
 def test_a_sparse_blocks_saved_bytes_per_token_equal_the_dry_runs_trace(recompute, ep) -> None:
-    from lightning_hybrid.planner.memory import activation_model
+    from lightning_hybrid.planner.activations import activation_model
 
     planned = activation_model(Qwen2Config.resolve("tiny-moe"), 1, False, recompute, "32-true", 128, ep=ep)
     assert 0 <= TRACED_SPARSE_BLOCK[(recompute, ep)] - planned.sparse_layer < 1, planned.sparse_layer

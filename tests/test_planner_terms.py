@@ -12,6 +12,7 @@ import pytest
 
 from lightning_hybrid.hardware import SYSTEM_GPUS
 from lightning_hybrid.models.qwen2.config import Qwen2Config
+from lightning_hybrid.planner.activations import activation_model
 from lightning_hybrid.planner.context_parallel import (
     BLOCKWISE_BACKWARD_BYTES,
     BLOCKWISE_SAVED_BYTES,
@@ -21,7 +22,6 @@ from lightning_hybrid.planner.context_parallel import (
 from lightning_hybrid.planner.cost import estimate
 from lightning_hybrid.planner.layout import Layout, Problem
 from lightning_hybrid.planner.layout_memory import rank_memory_breakdown
-from lightning_hybrid.planner.memory import activation_model
 from lightning_hybrid.planner.step_time import Hardware, Runtime, TimeModel, block_gemms
 from lightning_hybrid.planner.tp_comm import tp_block_seconds
 
@@ -150,6 +150,8 @@ def test_full_recompute_keeps_each_block_input_in_the_dtype_of_the_weights_the_f
     layout = Layout(8, 2, 8, "fsdp", 1, 16, "1f1b", recompute="full", sequence_parallel=True)
     assert residual_stream_bytes(p, fsdp=True) == 2
     assert layout_shape(p, layout).activations.layer == 2 * QWEN72.hidden_size / 8
-    assert rank_memory_breakdown(p, layout, 0)["activations"] == 2 * (40 * 2 * 1024 + 8) * 32768  # 2 in flight
+    # 2 in flight, each: 40 bf16 block inputs of 8,192 / 8 per token, the embedding's ids, the stage's bf16 rotary tables
+    rotary = 2 * QWEN72.head_dim * 2
+    assert rank_memory_breakdown(p, layout, 0)["activations"] == 2 * (40 * 2 * 1024 + 8 + rotary) * 32768
     bf16_weights = replace(p, runtime=replace(p.runtime, low_precision_params=True))
     assert residual_stream_bytes(p, fsdp=False) == 4 and residual_stream_bytes(bf16_weights, fsdp=False) == 2

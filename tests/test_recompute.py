@@ -52,7 +52,8 @@ def _step(model, batch, count=()):
     return {k: p.grad.clone() for k, p in model.named_parameters()}, calls, sum(saved)
 
 
-COUNTED = ("layers.0.self_attn.q_proj", "layers.0.mlp.up_proj", "layers.1.self_attn.q_proj", "layers.1.mlp.up_proj")
+# the fused q/k/v and gate/up projections: the modules that run the attention's and the MLP's input GEMMs
+COUNTED = ("layers.0.self_attn.qkv", "layers.0.mlp.gate_up", "layers.1.self_attn.qkv", "layers.1.mlp.gate_up")
 
 
 @pytest.mark.parametrize("mode, selective, rerun", [

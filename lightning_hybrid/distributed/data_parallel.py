@@ -11,12 +11,14 @@ there and then all-reduced across the replica groups. With context parallelism e
 
 from __future__ import annotations
 
+import functools
 from typing import TYPE_CHECKING, Any, Callable, Iterable, Optional, Union
 
 import torch
 from torch import Tensor, nn
 
 from lightning_hybrid.distributed.options import GRADIENT_BUCKET_BYTES
+from lightning_hybrid.models.fused import FusedLinear
 
 if TYPE_CHECKING:
     from torch.distributed import ProcessGroup
@@ -79,11 +81,26 @@ class StepWeightCasts:
         self._swapped: dict[int, dict[str, Tensor]] = {}
 
     def install(self, module: nn.Module) -> None:
-        """Hook every submodule of ``module`` that holds floating-point parameters of another dtype itself."""
+        """Hook every submodule of ``module`` that holds floating-point parameters of another dtype itself, and every
+        owner of a fused projection (:class:`~lightning_hybrid.models.fused.FusedLinear`): the fused GEMM reads its
+        parts' weights in the owner's forward without calling the parts, so the owner swaps their copies in."""
         for sub in module.modules():
             if any(p.is_floating_point() and p.dtype != self.dtype for p in sub.parameters(recurse=False)):
                 sub.register_forward_pre_hook(self._swap_in)
                 sub.register_forward_hook(self._swap_out, always_call=True)
+            for name, child in sub.named_children():
+                if isinstance(child, FusedLinear):
+                    sub.register_forward_pre_hook(functools.partial(self._swap_parts, name, True))
+                    sub.register_forward_hook(functools.partial(self._swap_parts, name, False), always_call=True)
+
+    def _swap_parts(self, name: str, into: bool, owner: nn.Module, *_: Any) -> None:
+        """The copies of the fused module ``name``'s parts in (``into``) or out, while it runs fused (a fused module
+        set to ``None`` leaves its parts to their own hooks)."""
+        fused = getattr(owner, name, None)
+        if fused is None:
+            return
+        for part in (getattr(owner, p) for p in fused.parts):
+            self._swap_in(part, ()) if into else self._swap_out(part, (), None)
 
     def _copy(self, param: Tensor) -> Tensor:
         if not torch.is_grad_enabled():

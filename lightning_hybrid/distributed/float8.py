@@ -7,6 +7,16 @@ embedding and the head stay in the compute dtype (the head's logits feed the los
 float8). The parameters keep their names, shapes and master dtype, so checkpoints of a float8 run load into a bf16
 run and back, and ``export-hf`` is unchanged.
 
+Fused projections (q/k/v, gate/up: the model's ``fused_projections``) stay one GEMM: :class:`Float8FusedLinear` casts
+the concatenation of the parts' weights once and runs one float8 (or MXFP8) GEMM through torchao's own autograd
+functions. MXFP8 (blocks of 32 along the inner dimension; each part's rows a multiple of 32) and rowwise's forward
+(a scale per output row) scale exactly as the parts would; tensorwise takes one scale for the fused weight (the amax
+of all its parts, as Transformer Engine's fused QKV), and rowwise's input-gradient GEMM scales each column over all
+the fused rows. The float8 GEMM keeps the concatenated weight for its backward (one copy of the parts' weights per
+layer until then). Tensorwise with FSDP2's float8 all-gather gathers each part in float8 with its own scale, which
+one GEMM cannot take: there the parts run one by one (logged once), as they do when only some parts can be
+converted.
+
 Order (:func:`~lightning_hybrid.distributed.parallelize.parallelize`): conversion on the meta device, then TP (with
 torchao's float8 styles under ``"tensorwise"``: the TP all-gathers move float8), then recompute/compile, then FSDP2
 (under ``"tensorwise"`` weights are all-gathered in float8; :func:`precompute_float8_scales` computes their scales
@@ -19,15 +29,16 @@ from __future__ import annotations
 import logging
 import os
 from dataclasses import replace
-from typing import Any, Optional
+from typing import Any, Optional, Sequence
 
 import torch
-from torch import nn
+from torch import Tensor, nn
 
+from lightning_hybrid.models.fused import FusedLinear
 from lightning_hybrid.models.spec import ParallelSpec
 
 __all__ = ["FLOAT8_EMULATE_ENV", "float8_device_error", "check_float8_device", "convert_float8", "float8_skipped",
-           "float8_tp_plan", "precompute_float8_scales", "uses_fsdp_float8_all_gather"]
+           "float8_tp_plan", "precompute_float8_scales", "uses_fsdp_float8_all_gather", "Float8FusedLinear"]
 
 log = logging.getLogger(__name__)
 
@@ -68,19 +79,28 @@ def check_float8_device(float8: Optional[str], device: torch.device) -> None:
 
 def float8_skipped(module: nn.Module, spec: ParallelSpec, recipe: str, tp: int) -> dict[str, str]:
     """Block linears of ``module`` that ``recipe`` cannot take: name -> why (a dimension of the tensor-parallel shard
-    that is not a multiple of 16, or 32 for MXFP8)."""
+    that is not a multiple of 16, or 32 for MXFP8; under MXFP8 a bias outside a fused projection that runs fused:
+    torchao's MXFP8 linear leaves ``F.linear``'s bias out, while :class:`Float8FusedLinear` adds it). A block
+    holds only some of ``block_plan``'s linears where a mixture of experts replaces its MLP (its experts stay bf16)."""
     divisor = _DIVISOR[recipe]
     skipped = {}
-    blocks = getattr(module, spec.blocks, None) or {}
-    for index, block in blocks.items():
-        for name, style in spec.block_plan.items():
+    for index, block in (getattr(module, spec.blocks, None) or {}).items():
+        shape = {}
+        for name, style in _held_plan(block, spec).items():
             linear = block.get_submodule(name)
             # The sharded dimension is divided over tp: colwise splits the output, rowwise the input.
             out_f = linear.out_features // (tp if style == "colwise" else 1)
             in_f = linear.in_features // (tp if style == "rowwise" else 1)
             if out_f % divisor or in_f % divisor or (linear.out_features % tp) or (linear.in_features % tp):
-                skipped[f"{spec.blocks}.{index}.{name}"] = (f"{in_f}x{out_f} per rank is not a multiple of "
-                                                            f"{divisor}")
+                shape[name] = f"{in_f}x{out_f} per rank is not a multiple of {divisor}"
+        # a fused group runs fused under float8 only when all its parts are converted
+        fused = {part for group, parts in spec.fused_projections.items()
+                 if _held(block, group) and not shape.keys() & set(parts) for part in parts}
+        for name in _held_plan(block, spec):
+            if name not in shape and recipe == "mxfp8" and block.get_submodule(name).bias is not None \
+                    and name not in fused:
+                shape[name] = "a bias (torchao's MXFP8 linear would drop it)"
+        skipped.update({f"{spec.blocks}.{index}.{name}": why for name, why in shape.items()})
     return skipped
 
 
@@ -96,13 +116,19 @@ def convert_float8(module: nn.Module, spec: ParallelSpec, recipe: str, tp: int, 
     """
     skipped = float8_skipped(module, spec, recipe, tp)
     blocks = getattr(module, spec.blocks, None) or {}
-    targets = [f"{spec.blocks}.{i}.{name}" for i in blocks for name in spec.block_plan]
+    targets = [f"{spec.blocks}.{i}.{name}" for i, block in blocks.items() for name in _held_plan(block, spec)]
     chosen = [name for name in targets if name not in skipped]
     if skipped and tuple(skipped) not in _LOGGED:
         _LOGGED.add(tuple(skipped))
-        log.warning("float8=%r: %d linear(s) stay in bf16 (shape): %s", recipe, len(skipped),
+        log.warning("float8=%r: %d linear(s) stay in bf16: %s", recipe, len(skipped),
                     "; ".join(f"{k}: {v}" for k, v in skipped.items()))
-    wanted = set(chosen)
+    _convert(module, recipe, fsdp, set(chosen))
+    _fuse_float8(module, spec, recipe, fsdp)
+    return chosen
+
+
+def _convert(module: nn.Module, recipe: str, fsdp: bool, wanted: set[str]) -> None:
+    """torchao's conversion of the linears named in ``wanted`` (MXFP8 weights, or ``Float8Linear`` modules)."""
     if recipe == "mxfp8":
         from torchao.prototype.moe_training.config import MXFP8TrainingOpConfig, MXFP8TrainingRecipe
         from torchao.quantization import quantize_
@@ -112,7 +138,7 @@ def convert_float8(module: nn.Module, spec: ParallelSpec, recipe: str, tp: int, 
         config = MXFP8TrainingOpConfig.from_recipe(getattr(MXFP8TrainingRecipe, name))
         quantize_(module, config, filter_fn=lambda mod, fqn: fqn in wanted and isinstance(mod, nn.Linear),
                   device=None)
-        return chosen
+        return
     from torchao.float8 import Float8LinearConfig, convert_to_float8_training
 
     config = Float8LinearConfig.from_recipe_name(recipe)
@@ -121,7 +147,6 @@ def convert_float8(module: nn.Module, spec: ParallelSpec, recipe: str, tp: int, 
     if os.environ.get(FLOAT8_EMULATE_ENV) == "1":
         config = replace(config, emulate=True)
     convert_to_float8_training(module, config=config, module_filter_fn=lambda mod, fqn: fqn in wanted)
-    return chosen
 
 
 def uses_fsdp_float8_all_gather(model: nn.Module) -> bool:
@@ -189,3 +214,93 @@ def _all_float8(module: nn.Module) -> bool:
     linears = [m for m in module.modules() if isinstance(m, nn.Linear)]
     return bool(linears) and all(isinstance(m, Float8Linear) for m in linears)
 
+
+
+def _held(block: nn.Module, name: str) -> bool:
+    owner, _, attr = name.rpartition(".")
+    return getattr(block.get_submodule(owner) if owner else block, attr, None) is not None
+
+
+def _held_plan(block: nn.Module, spec: ParallelSpec) -> dict[str, str]:
+    """The entries of ``spec.block_plan`` that ``block`` holds (a mixture-of-experts block has no dense MLP)."""
+    return {name: style for name, style in spec.block_plan.items() if _held(block, name)}
+
+
+def _float8_part(linear: nn.Module) -> Optional[Any]:
+    """What runs ``linear``'s float8 GEMM: its ``Float8Linear`` (tensorwise, rowwise), its MXFP8 weight's config, or
+    ``None`` (left in bf16)."""
+    from torchao.float8.float8_linear import Float8Linear
+
+    if isinstance(linear, Float8Linear):
+        return linear
+    config = getattr(linear.weight, "config", None)
+    return config if config is not None and type(linear.weight).__name__.startswith("MXFP8") else None
+
+
+def _fuse_float8(module: nn.Module, spec: ParallelSpec, recipe: str, fsdp: bool) -> None:
+    """Swap each fused module whose parts were all converted for a :class:`Float8FusedLinear`; one whose parts were
+    converted only in part, or gathered in float8 by FSDP2 (tensorwise), is removed: its parts run one by one."""
+    unfused = []
+    for index, block in (getattr(module, spec.blocks, None) or {}).items():
+        for name, parts in spec.fused_projections.items():
+            if not _held(block, name):
+                continue
+            owner_name, _, attr = name.rpartition(".")
+            owner = block.get_submodule(owner_name) if owner_name else block
+            kinds = [_float8_part(block.get_submodule(part)) for part in parts]
+            if all(kind is None for kind in kinds):
+                continue  # a bf16 fused GEMM, as without float8
+            if any(kind is None for kind in kinds) or (recipe == "tensorwise" and fsdp):
+                setattr(owner, attr, None)
+                unfused.append(f"{spec.blocks}.{index}.{name}")
+                continue
+            setattr(owner, attr, Float8FusedLinear(getattr(owner, attr).parts, recipe, kinds[0]))
+    if unfused and tuple(unfused) not in _LOGGED:
+        _LOGGED.add(tuple(unfused))
+        log.warning("float8=%r: %d fused projection(s) run as separate GEMMs (parts in bf16, or FSDP2's float8 "
+                    "all-gather: a scale per part): %s", recipe, len(unfused), ", ".join(unfused))
+
+
+class Float8FusedLinear(FusedLinear):
+    """A :class:`~lightning_hybrid.models.fused.FusedLinear` whose one GEMM runs in float8 through torchao: the
+    concatenated weight cast once (tensorwise, rowwise: ``matmul_with_hp_or_float8_args`` with the parts' config;
+    MXFP8: ``_to_mxfp8_then_scaled_mm``), the biases added in the output dtype.
+
+    Args:
+        parts: the fused linears' names (as the module it replaces).
+        recipe: ``"tensorwise"``, ``"rowwise"`` or ``"mxfp8"``.
+        source: the first part's ``Float8Linear`` (its config and GEMM configs), or its MXFP8 weight's config.
+    """
+
+    def __init__(self, parts: tuple[str, ...], recipe: str, source: Any) -> None:
+        super().__init__(parts)
+        self.recipe = recipe
+        if recipe == "mxfp8":
+            self.mx_config = source
+        else:
+            self.config, self.linear_mm_config = source.config, source.linear_mm_config
+
+    def forward(self, x: Tensor, weights: Sequence[Tensor], biases: Optional[Sequence[Tensor]] = None) -> list[Tensor]:
+        sizes = [w.shape[0] for w in weights]
+        if self.recipe == "mxfp8":
+            from torchao.prototype.moe_training.mxfp8_linear import _to_mxfp8_then_scaled_mm
+            from torchao.prototype.moe_training.utils import unwrap_weight
+
+            weight = torch.cat([unwrap_weight(w) for w in weights])
+            c = self.mx_config
+            out = _to_mxfp8_then_scaled_mm(x, weight, kernel_preference=c.kernel_preference,
+                                           scale_calculation_mode=c.scale_calculation_mode,
+                                           wgrad_with_hp=c.wgrad_with_hp)
+        else:
+            from torchao.float8.float8_linear import matmul_with_hp_or_float8_args
+
+            if torch.is_autocast_enabled():  # as Float8Linear does: the output in autocast's (CUDA) dtype
+                x = x.to(torch.get_autocast_gpu_dtype())
+            out = matmul_with_hp_or_float8_args.apply(x, torch.cat(list(weights)).t(), self.linear_mm_config,
+                                                      self.config)
+        if biases is not None:
+            out = out + torch.cat(list(biases)).to(out.dtype)
+        return list(out.split(sizes, dim=-1))
+
+    def extra_repr(self) -> str:
+        return f"parts={self.parts}, recipe={self.recipe}"

@@ -14,7 +14,7 @@ from __future__ import annotations
 from typing import Any, Callable, Optional
 
 from lightning_hybrid.distributed.default_mesh import log_bare_layout
-from lightning_hybrid.distributed.options import ParallelOptions
+from lightning_hybrid.distributed.options import ParallelOptions, float8_precision_error
 from lightning_hybrid.distributed.parallel_dims import ParallelDims
 from lightning_hybrid.distributed.pipeline.schedules import validate_schedule
 from lightning_hybrid.distributed.pipeline.split import plan_stages
@@ -22,11 +22,10 @@ from lightning_hybrid.models.spec import ParallelSpec
 from lightning_hybrid.planner.experts import selective_recompute_reason
 
 __all__ = ["check_options", "float8_error", "context_parallel_error", "experts_error", "DECLARED_PRECISIONS",
-           "FLOAT8_PRECISIONS", "FLOAT8_EXTRA"]
+           "FLOAT8_EXTRA"]
 
 DECLARED_PRECISIONS = ("32-true", "bf16-mixed", "bf16-true")
 FLOAT8_EXTRA = "pip install 'lightning-hybrid[float8]'"
-FLOAT8_PRECISIONS = ("bf16-mixed", "bf16-true")
 
 
 def _torchao_missing() -> bool:
@@ -45,9 +44,8 @@ def float8_error(float8: Optional[str], precision: str, spec: Optional[ParallelS
     (compute capability) is :func:`lightning_hybrid.distributed.float8.float8_device_error`'s."""
     if float8 is None:
         return None
-    if precision not in FLOAT8_PRECISIONS:
-        return (f"float8={float8!r} with precision={precision!r} is not supported: float8 matmuls take bf16 "
-                f"activations; use precision='bf16-mixed' or 'bf16-true'")
+    if float8_precision_error(float8, precision):
+        return float8_precision_error(float8, precision)
     if spec is None:
         return (f"float8={float8!r} needs a LightningModule that declares its blocks (parallel_spec()); {module_name} "
                 f"does not (convert its linears with torchao in its own configure_model)")

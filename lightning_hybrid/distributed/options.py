@@ -26,7 +26,7 @@ from lightning_hybrid.distributed.pipeline.schedules import PP_SCHEDULES, ZERO_B
 __all__ = ["ParallelOptions", "AUTO", "AUTO_FIELDS", "REDUCE_DTYPES", "DATA_PARALLEL_MODES", "GRADIENT_BUCKET_BYTES",
            "RESHARD_POLICIES", "ACTIVATION_CHECKPOINTING", "SELECTIVE_AC", "FLOAT8_RECIPES", "choice", "positive_int",
            "lightning_size", "check_reshard_policy", "reshard_after_forward", "resolve_selective", "check_float8",
-           "async_tp_error"]
+           "float8_precision_error", "FLOAT8_PRECISIONS", "async_tp_error"]
 
 # Options the strategy may leave to the planner (lightning_hybrid/distributed/auto_layout.py resolves them at setup).
 AUTO = "auto"
@@ -37,6 +37,7 @@ REDUCE_DTYPES = {"fp32": "float32", "float32": "float32", "bf16": "bfloat16", "b
 DATA_PARALLEL_MODES = ("fsdp", "replicate", "hsdp")
 # Replicated gradients are all-reduced in buckets of about this size (also the planner's DP message size).
 GRADIENT_BUCKET_BYTES = 25 * 1024 * 1024
+FLOAT8_PRECISIONS = ("bf16-mixed", "bf16-true")  # float8 matmuls take bf16 activations
 # fsdp_reshard_after_forward: "auto" frees a block's gathered weights after forward without a pipeline (ZeRO-3) and
 # keeps them gathered for the whole step under one (ZeRO-2-like: one all-gather per unit per step, not per micro-batch).
 RESHARD_POLICIES = ("auto", True, False)
@@ -138,6 +139,15 @@ def check_float8(value: Any) -> Optional[str]:
     if not isinstance(value, str) or value.lower() not in FLOAT8_RECIPES:
         raise ValueError(f"float8={value!r} is not supported; use None or one of {', '.join(FLOAT8_RECIPES)}")
     return value.lower()
+
+
+def float8_precision_error(float8: Optional[str], precision: str) -> Optional[str]:
+    """One line when ``float8`` cannot run under Lightning's ``precision`` (the strategy refuses it, the planner too),
+    else ``None``."""
+    if float8 is None or precision in FLOAT8_PRECISIONS:
+        return None
+    return (f"float8={float8!r} with precision={precision!r} is not supported: float8 matmuls take bf16 activations; "
+            f"use precision='bf16-mixed' or 'bf16-true'")
 
 
 def async_tp_error(compile: bool, sequence_parallel: bool, device_type: Optional[str],

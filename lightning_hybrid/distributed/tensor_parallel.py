@@ -9,6 +9,11 @@ Loss parallel (``loss_parallel=True``): the head keeps its logits split over the
 runs on those shards (torch's ``loss_parallel``: three all-reduces of one float per token instead of an all-gather
 of ``tokens x vocab`` logits), so no rank ever holds the full-vocabulary logits.
 
+Fused projections (a model's ``fused_projections``: q/k/v, gate/up): each part keeps its own colwise split, so a rank
+holds whole heads and whole key/value groups of each; :class:`FusedColwiseParallel` makes the fused module compute
+on this rank's shards (one GEMM of the concatenated local weights) and gives the input's gradient as one partial sum
+(one all-reduce, or one reduce-scatter under sequence parallelism, for the three projections).
+
 Async TP (``async_tp=True``): torch's micro-pipelined TP, inductor's pass that splits each sequence-parallel
 all-gather/reduce-scatter and its matmul into chunks that overlap over symmetric memory (CUDA and NCCL only).
 """
@@ -16,10 +21,13 @@ all-gather/reduce-scatter and its matmul into chunks that overlap over symmetric
 from __future__ import annotations
 
 import contextlib
+import functools
 from typing import TYPE_CHECKING, Any, Callable, Iterator, Optional
 
 import torch
 from torch import Tensor, nn
+from torch.distributed.tensor import DTensor, Partial, Placement, Replicate
+from torch.distributed.tensor.parallel import ParallelStyle
 
 from lightning_hybrid.distributed.parallel_dims import tied_embedding_error
 from lightning_hybrid.models.spec import ParallelSpec
@@ -28,12 +36,60 @@ if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
 
 __all__ = ["apply_tensor_parallel", "block_plan", "outer_plan", "vocab_parallel_loss", "loss_parallel_context",
-           "full_vocabulary", "backward_in_loss_parallel", "enable_async_tp"]
+           "full_vocabulary", "backward_in_loss_parallel", "enable_async_tp", "FusedColwiseParallel"]
+
+
+def _local_input(x: Tensor, mesh: "DeviceMesh", input_layout: Placement) -> Tensor:
+    """This rank's copy of the whole input of a colwise product, whose gradient leaves as a partial sum over the TP
+    ranks (each rank's rows of the output contribute their part): all-reduced, or reduce-scattered back onto the
+    sequence shards where the input came from."""
+    if not isinstance(x, DTensor):
+        x = DTensor.from_local(x, mesh, (input_layout,), run_check=False)
+    if x.placements != (Replicate(),):
+        x = x.redistribute(placements=(Replicate(),))
+    return x.to_local(grad_placements=(Partial(),))
+
+
+def _local_shard(t: Any) -> Any:
+    """This rank's shard of a parameter (its gradient comes back as that shard's); a plain tensor as it is."""
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
+class FusedColwiseParallel(ParallelStyle):
+    """Tensor parallelism of a :class:`~lightning_hybrid.models.fused.FusedLinear`: its parts are colwise linears
+    sharded on their own (``ColwiseParallel`` on each: rows split per part, so a rank holds whole heads of q, whole
+    key/value groups of k and v, its slice of gate and of up), and the fused module runs on this rank's shards.
+
+    Before each call the input becomes this rank's whole copy (from a replicated or sequence-sharded DTensor, or a
+    plain tensor in ``input_layout``) with its gradient given back as a partial sum (one all-reduce, or one
+    reduce-scatter under sequence parallelism, for all the parts), and the parts' weights and biases become their
+    local shards. Concatenating DTensors split on dim 0 would gather them; concatenating the local shards is this
+    rank's rows of every part, in order, and the module's split by the local sizes gives each part's local output
+    (a plain tensor, as ``ColwiseParallel`` gives with ``use_local_output``).
+
+    Args:
+        input_layout: the layout of a plain-tensor input (``Replicate()``; the sequence-parallel input arrives as a
+            DTensor from the block's input preparation).
+    """
+
+    def __init__(self, input_layout: Optional[Placement] = None) -> None:
+        super().__init__()
+        self.input_layout = input_layout or Replicate()
+
+    def _prepare(self, mesh: "DeviceMesh", module: nn.Module, args: tuple) -> tuple:
+        x, weights, biases = (*args, None)[:3]
+        return (_local_input(x, mesh, self.input_layout), [_local_shard(w) for w in weights],
+                None if biases is None else [_local_shard(b) for b in biases])
+
+    def _apply(self, module: nn.Module, device_mesh: "DeviceMesh") -> nn.Module:
+        module.register_forward_pre_hook(functools.partial(self._prepare, device_mesh))
+        return module
 
 
 def block_plan(spec: ParallelSpec, sequence_parallel: bool) -> dict:
-    """The ``parallelize_module`` plan of one block."""
-    from torch.distributed.tensor import Replicate, Shard
+    """The ``parallelize_module`` plan of one block (its fused modules included; :func:`apply_tensor_parallel` leaves
+    out the entries a block does not hold)."""
+    from torch.distributed.tensor import Shard
     from torch.distributed.tensor.parallel import ColwiseParallel, PrepareModuleInput, RowwiseParallel, SequenceParallel
 
     plan: dict = {}
@@ -42,6 +98,8 @@ def block_plan(spec: ParallelSpec, sequence_parallel: bool) -> dict:
             plan[name] = ColwiseParallel()
         else:
             plan[name] = RowwiseParallel(output_layouts=Shard(1) if sequence_parallel else Replicate())
+    for name in spec.fused_projections:
+        plan[name] = FusedColwiseParallel()
     if sequence_parallel:
         for name in spec.block_norms:
             plan[name] = SequenceParallel()
@@ -61,8 +119,8 @@ def outer_plan(spec: ParallelSpec, sequence_parallel: bool, present: set[str], l
     With ``loss_parallel`` the head's output stays this rank's vocabulary shard of the logits (a plain local
     tensor, so pipeline stages pass it like any other; :func:`vocab_parallel_loss` wraps it again).
     """
-    from torch.distributed.tensor import Replicate, Shard
-    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, SequenceParallel
+    from torch.distributed.tensor import Shard
+    from torch.distributed.tensor.parallel import ColwiseParallel, PrepareModuleInput, RowwiseParallel, SequenceParallel
 
     seq = Shard(1) if sequence_parallel else Replicate()
     plan: dict = {
@@ -75,6 +133,10 @@ def outer_plan(spec: ParallelSpec, sequence_parallel: bool, present: set[str], l
     }
     if sequence_parallel:
         plan[spec.norm] = SequenceParallel()
+        if spec.rotary is not None:
+            # The rotary tables see the hidden states as the sequence shard they are (no communication): their
+            # global length is the sequence the attention sees after its all-gather.
+            plan[spec.rotary] = PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Shard(1),))
     return {k: v for k, v in plan.items() if k in present}
 
 
@@ -96,15 +158,24 @@ def apply_tensor_parallel(model: nn.Module, spec: ParallelSpec, tp_mesh: "Device
     tied = embedding is not None and head is not None and head.weight is embedding.weight
     if tied:
         raise ValueError(tied_embedding_error(tied, tp_mesh.size(), 1))
-    present = {name for name in (spec.embedding, spec.norm, spec.head) if getattr(model, name, None) is not None}
+    outer = (spec.embedding, spec.norm, spec.head, spec.rotary)
+    present = {name for name in outer if name is not None and getattr(model, name, None) is not None}
     plan = outer_plan(spec, sequence_parallel, present, loss_parallel)
     if plan:
         parallelize_module(model, tp_mesh, plan)
     blocks = getattr(model, spec.blocks)
     per_block = block_plan(spec, sequence_parallel)
     for block in blocks.values():
-        parallelize_module(block, tp_mesh, adjust_plan(per_block, block) if adjust_plan else per_block)
+        held = {name: style for name, style in per_block.items() if _holds(block, name)}
+        parallelize_module(block, tp_mesh, adjust_plan(held, block) if adjust_plan else held)
 
+
+def _holds(block: nn.Module, name: str) -> bool:
+    """Whether ``block`` holds a submodule at the dotted ``name`` (a fused module a block runs without is ``None``)."""
+    module: Any = block
+    for part in name.split("."):
+        module = getattr(module, part, None)
+    return isinstance(module, nn.Module)
 
 
 def _loss_ops_enabled() -> bool:

@@ -72,6 +72,16 @@ class ParallelSpec:
             calls for attention and for the global token positions of RoPE. Context parallelism (``cp>1``)
             replaces it with ring attention over the sequence shards; ``None``: the model declares none, and
             cannot be trained with ``cp>1``.
+        fused_projections: submodule of a block that runs several colwise linears of one input as one GEMM ->
+            those linears (``"self_attn.qkv": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj")``), each
+            a ``"colwise"`` entry of ``block_plan``. The linears keep their parameters and their own row split (whole
+            heads on every rank); the fused module computes on this rank's shards of them (a
+            :class:`~lightning_hybrid.models.fused.FusedLinear`). A block whose fused module is ``None`` runs the
+            linears one by one.
+        rotary: attribute of the model holding the rotary tables made once per forward (a
+            :class:`~lightning_hybrid.models.decoder.rope.RotaryTables`, called with the hidden states), or
+            ``None``. Under sequence parallelism it is handed the hidden states' sequence shard as a DTensor, so the
+            tables cover the whole sequence the attention sees.
         block_experts: attribute of a block holding its mixture-of-experts layer in the blocks that have one (an
             experts layer: see :data:`EXPERTS_LAYER`); ``None``: the model has none. Expert parallelism
             (``ep>1``) splits those layers' experts, and ``block_plan`` entries under this attribute apply only to the
@@ -93,6 +103,8 @@ class ParallelSpec:
     head_norms: tuple[str, ...] = ()
     block_attention: Optional[str] = None
     attention_core: Optional[str] = None
+    fused_projections: dict[str, tuple[str, ...]] = field(default_factory=dict)
+    rotary: Optional[str] = None
     block_experts: Optional[str] = None
     tp_divisible: dict[str, int] = field(default_factory=dict)
     ep_divisible: dict[str, int] = field(default_factory=dict)
@@ -104,6 +116,10 @@ class ParallelSpec:
         bad = {k: v for k, v in self.block_plan.items() if v not in TP_STYLES}
         if bad:
             raise ValueError(f"unknown tensor-parallel style in block_plan {bad}; use one of {TP_STYLES}")
+        for fused, parts in self.fused_projections.items():
+            if not parts or any(self.block_plan.get(part) != "colwise" for part in parts):
+                raise ValueError(f"fused_projections[{fused!r}]={parts!r}: each part must be a 'colwise' entry of "
+                                 f"block_plan")
 
 
 def declared_spec(module: Any) -> Optional[ParallelSpec]:

@@ -10,9 +10,11 @@ runs the TP matmuls on the gathered weights' dtype, so autocast does not make th
 
 **tp** (per micro-batch; torch's ``ColwiseParallel``/``RowwiseParallel`` plans of ``tensor_parallel.py``):
 
-* Without sequence parallel, per block: forward 2 all-reduces ``A`` (o_proj and down_proj outputs); backward 5
-  (the input gradient of each colwise projection q, k, v, gate and up: each module turns its plain input into its
-  own replicated DTensor, so their gradients are reduced one by one, not once per attention/MLP as in Megatron).
+* Without sequence parallel, per block: forward 2 all-reduces ``A`` (o_proj and down_proj outputs); backward 2
+  with fused projections (``Runtime.fused_projections``, this project's decoder: the input gradient of q/k/v and of
+  gate/up leaves each fused GEMM as one partial sum, as in Megatron), else 5 (the input gradient of each colwise
+  projection q, k, v, gate and up: each module turns its plain input into its own replicated DTensor, so their
+  gradients are reduced one by one).
   The embedding: 1 all-reduce forward. The head: 1 all-reduce of its input gradient and 1 all-gather of the
   logits ``L`` (the loss sees the full vocabulary).
 * With sequence parallel, per block: forward 2 all-gathers ``A`` (attention and MLP inputs) and 2 reduce-scatters
@@ -82,12 +84,14 @@ from lightning_hybrid.planner.experts import INDEX_BYTES, LOAD_STAT_BYTES, all_t
 from lightning_hybrid.planner.layout import Layout, Problem
 from lightning_hybrid.planner.memory import chunk_rows, rank_parameter_shapes, split_blocks
 
-__all__ = ["predicted_collectives", "COLWISE_PER_BLOCK", "tp_all_reduce_equivalents", "fsdp_block_gathers"]
+__all__ = ["predicted_collectives", "COLWISE_PER_BLOCK", "FUSED_COLWISE_PER_BLOCK", "colwise_all_reduces",
+           "tp_all_reduce_equivalents", "fsdp_block_gathers"]
 
 Table = dict[str, dict[str, list[int]]]
 Add = Callable[[str, str, int, int], None]  # (dimension, kind, calls, bytes of each call)
 
 COLWISE_PER_BLOCK = 5  # q, k, v, gate, up: one input-gradient all-reduce each without sequence parallel
+FUSED_COLWISE_PER_BLOCK = 2  # fused q/k/v and gate/up: one input-gradient all-reduce per fused GEMM
 # what a sparse layer logs per step (models/decoder/moe.py's METRICS: load balance, load-balancing loss, dropped
 # tokens), summed over the world with a presence flag: the planner does not import the model code
 METRICS_PER_LAYER = ("load_max_over_mean", "aux_loss", "dropped_tokens")
@@ -96,19 +100,34 @@ _SCALAR = 4  # a float32 loss statistic
 _NORM_SQUARED = 8  # the float64 squared gradient norm
 
 
-def tp_all_reduce_equivalents(sequence_parallel: bool, sparse: bool = False) -> tuple[float, float]:
+def colwise_all_reduces(fused_projections: bool) -> int:
+    """Backward all-reduces of the colwise projections' input gradients per dense block without sequence parallel:
+    one per fused GEMM (q/k/v, gate/up) or one per projection."""
+    return FUSED_COLWISE_PER_BLOCK if fused_projections else COLWISE_PER_BLOCK
+
+
+def sparse_block_saving(fused_projections: bool) -> int:
+    """All-reduces a sparse block (a mixture of experts, whole on every tp rank) has fewer than a dense one without
+    sequence parallel: the down projection's forward all-reduce and the gate/up input gradients (1 fused, 2 not)."""
+    return 1 + (1 if fused_projections else 2)
+
+
+def tp_all_reduce_equivalents(sequence_parallel: bool, sparse: bool = False,
+                              fused_projections: bool = True) -> tuple[float, float]:
     """TP traffic of one block and micro-batch in all-reduces of the residual stream (an all-gather and a
     reduce-scatter make one): (forward and backward, added by a replayed forward). The planner's time model uses it.
 
-    Without sequence parallel 2 + 5 (the colwise projections' input gradients, one by one) and 1 replayed (the
-    down projection's, after the last saved tensor, is not); with it 4 pairs, and 2 all-gathers and 1
-    reduce-scatter replayed. A sparse block (``sparse``: a mixture of experts, whole on every tp rank) has the
-    attention half's only (1 + 3 without sequence parallel, 1 replayed), plus under sequence parallel the experts'
-    input all-gather and their output gradient's all-gather (2 pairs + 2 all-gathers, 1.5 replayed).
+    Without sequence parallel 2 + the colwise input gradients (2 fused, 5 one by one: :func:`colwise_all_reduces`)
+    and 1 replayed (the down projection's, after the last saved tensor, is not); with it 4 pairs, and 2 all-gathers
+    and 1 reduce-scatter replayed. A sparse block (``sparse``: a mixture of experts, whole on every tp rank) has the
+    attention half's only (the output projection's and q/k/v's input gradients: 1 + 1 fused, 1 + 3 not; 1
+    replayed), plus under sequence parallel the experts' input all-gather and their output gradient's all-gather
+    (2 pairs + 2 all-gathers, 1.5 replayed).
     """
+    dense = 2.0 + colwise_all_reduces(fused_projections)
     if sparse:
-        return (3.0, 1.5) if sequence_parallel else (1.0 + COLWISE_PER_BLOCK - 2, 1.0)
-    return (4.0, 1.5) if sequence_parallel else (2.0 + COLWISE_PER_BLOCK, 1.0)
+        return (3.0, 1.5) if sequence_parallel else (dense - sparse_block_saving(fused_projections), 1.0)
+    return (4.0, 1.5) if sequence_parallel else (dense, 1.0)
 
 
 def fsdp_block_gathers(pp: int, microbatches: int, reshard_after_forward: Union[bool, str] = True) -> int:
@@ -176,8 +195,9 @@ def _tensor_parallel(add: Add, problem: "Problem", layout: "Layout", pp_rank: in
         add("tp", "all_reduce", 3 * m * head, layout.micro_batch_size * problem.seq_len * 4)
         logits = 0
     if not layout.sequence_parallel:
-        add("tp", "all_reduce", m * (len(blocks) * (2 + COLWISE_PER_BLOCK) - 3 * sparse + replayed + embedding
-                                     + head), act)
+        fused = problem.runtime.fused_projections
+        add("tp", "all_reduce", m * (len(blocks) * (2 + colwise_all_reduces(fused))
+                                     - sparse_block_saving(fused) * sparse + replayed + embedding + head), act)
         add("tp", "all_gather", m * head * bool(logits), logits)
     else:
         add("tp", "all_gather", m * (4 * len(blocks) + 2 * replayed + embedding + head), act)

@@ -44,8 +44,8 @@ __all__ = ["estimate", "P2P_PER_BOUNDARY", "OPTIMIZER_PARAM_PASSES", "OPTIMIZER_
 
 # TP collectives of the activations per block and micro-batch, in all-reduces (a reduce-scatter + all-gather pair
 # of sequence parallelism moves the same bus bytes): planner/collectives.py's tp_all_reduce_equivalents, held
-# against the traced steps (without sequence parallel 2 forward + 5 backward, one per colwise projection; full
-# recompute replays 1, counted as recompute).
+# against the traced steps (without sequence parallel 2 forward + 2 backward with fused projections, 5 without, one
+# per colwise projection; full recompute replays 1, counted as recompute).
 P2P_PER_BOUNDARY = 2  # warm-up sends activations forward, cool-down sends their gradients back
 # Memory passes of one AdamW step per parameter element: the parameter is read and written, the gradient
 # read, exp_avg and exp_avg_sq read and written and foreach's sqrt(exp_avg_sq) temporary written and read.
@@ -171,7 +171,7 @@ def _compute_block_work(problem: Problem, layout: Layout, tokens: int, sparse: b
     if r > a:  # autocast casts the block's fp32 matmul weights once per forward
         forward_bytes += AUTOCAST_WEIGHT_CAST_BYTES * (sum(k * n for k, n in shapes.values()) + experts.weights)
     elementwise = hbm_seconds(problem, forward_bytes)
-    per_block, replayed = tp_all_reduce_equivalents(layout.sequence_parallel, sparse)
+    per_block, replayed = tp_all_reduce_equivalents(layout.sequence_parallel, sparse, rt.fused_projections)
     tp, exposed = tp_block_seconds(problem, layout, tokens * c.hidden_size * a, per_block, gemms)
     one = exposed * problem.hw.collective("all_reduce", tokens * c.hidden_size * a, layout.tp, False, blocking=True)
     gemm = sum(gemms.values()) + experts.gemm

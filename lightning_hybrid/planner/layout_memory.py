@@ -14,15 +14,13 @@ from dataclasses import dataclass
 
 from lightning_hybrid.distributed.options import GRADIENT_BUCKET_BYTES
 from lightning_hybrid.models.qwen2.config import Qwen2Config
+from lightning_hybrid.planner.activations import ActivationModel, activation_model, inflight_microbatches
 from lightning_hybrid.planner.context_parallel import blockwise_working_bytes
 from lightning_hybrid.planner.experts import sparse_flags
 from lightning_hybrid.planner.layout import Layout, Problem
 from lightning_hybrid.planner.memory import (
     PRECISIONS,
-    ActivationModel,
     Precision,
-    activation_model,
-    inflight_microbatches,
     rank_memory,
     rank_parameter_shapes,
     rank_stages,
@@ -92,7 +90,8 @@ def layout_shape(problem: Problem, layout: Layout) -> LayoutShape:
     fsdp = layout.data_parallel != "replicate" and layout.data_ranks > 1
     activations = activation_model(problem.config, layout.tp, layout.sequence_parallel, layout.recompute,
                                    problem.precision, problem.seq_len, problem.runtime.loss_parallel, layout.ep,
-                                   residual_bytes=residual_stream_bytes(problem, fsdp))
+                                   residual_bytes=residual_stream_bytes(problem, fsdp),
+                                   fused_projections=problem.runtime.fused_projections)
     stage_blocks = split_blocks(problem.config, num_stages)
     # a rank holds seq_len / cp tokens of each sequence: activations and per-token work divide by cp
     return LayoutShape(tokens=layout.micro_batch_size * problem.seq_len // layout.cp, activations=activations,
@@ -134,7 +133,7 @@ def _held_activation_bytes(layout: Layout, shape: LayoutShape, pp_rank: int, kee
     ``return_outputs=False``)."""
     act, counts = shape.activations, shape.stage_blocks
     inflight = inflight_microbatches(layout.schedule, layout.pp, layout.virtual_stages, layout.microbatches, pp_rank)
-    held = sum(n * ((shape.held(s) + (act.embedding if s == 0 else 0)
+    held = sum(n * ((shape.held(s) + act.stage + (act.embedding if s == 0 else 0)
                      + (act.head if s == shape.last_stage else 0)) * shape.tokens + counts[s] * shape.gathered_kv)
                for n, s in zip(inflight, shape.rank_stages[pp_rank]))
     if layout.pp > 1 and shape.last_stage in shape.rank_stages[pp_rank]:

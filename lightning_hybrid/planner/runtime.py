@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Any, Mapping, Optional
 
-from lightning_hybrid.distributed.options import reshard_after_forward
+from lightning_hybrid.distributed.options import float8_precision_error, reshard_after_forward
 from lightning_hybrid.planner.step_time import Runtime
 
 __all__ = ["RUNTIME_OPTIONS", "runtime_from_options", "runtime_features"]
@@ -58,9 +58,12 @@ def runtime_from_options(options: Optional[Mapping[str, Any]] = None, precision:
     only; ``dp_overlap``, a distributed optimizer for replicated weights, stays off: the strategy has none).
 
     Raises:
-        ValueError: an unknown ``fsdp_reshard_after_forward``.
+        ValueError: an unknown ``fsdp_reshard_after_forward``, or ``float8`` with a precision the strategy refuses it
+            under (the strategy's own words: ``option_checks.float8_error``).
     """
     values = {**RUNTIME_OPTIONS, **{k: v for k, v in (options or {}).items() if k in RUNTIME_OPTIONS}}
+    if float8_precision_error(values["float8"], precision):
+        raise ValueError(float8_precision_error(values["float8"], precision))
     keep_gathered = not _reshards_under_pipeline(values["fsdp_reshard_after_forward"])
     low_precision = precision == "bf16-true" or (precision == "bf16-mixed" and bool(values["bf16_compute_weights"]))
     return Runtime(fused_elementwise=bool(values["compile"]), low_precision_params=low_precision,

@@ -18,7 +18,8 @@ from torch import Tensor, nn
 from lightning_hybrid.models.attention import CausalAttention
 from lightning_hybrid.models.decoder.config import DecoderConfig, parallel_spec
 from lightning_hybrid.models.decoder.moe import MoE
-from lightning_hybrid.models.decoder.rope import apply_rotary, rotary_at
+from lightning_hybrid.models.decoder.rope import RotaryTables, apply_rotary, rotary_at
+from lightning_hybrid.models.fused import FusedLinear
 from lightning_hybrid.models.spec import IGNORE_INDEX, ParallelSpec
 
 __all__ = ["Decoder", "DecoderBlock", "Attention", "MLP", "RMSNorm", "build_mlp", "parameter_init", "IGNORE_INDEX"]
@@ -61,11 +62,13 @@ class Attention(nn.Module):
     """Causal grouped-query attention with RoPE; q/k/v carry a bias when the config says so (Qwen2), q and k an
     RMSNorm per head before RoPE when the family has them (Qwen3), the output projection never a bias.
 
-    The number of heads is read from the projection outputs, not from the config, so the same code
+    q, k and v are one GEMM (``qkv``, a :class:`~lightning_hybrid.models.fused.FusedLinear` over the three
+    projections, which keep their own parameters and names); ``fused=False`` (or ``qkv`` set to ``None``) runs
+    them one by one. The number of heads is read from the projection outputs, not from the config, so the same code
     runs on a tensor-parallel shard that holds ``heads / tp`` query and ``kv_heads / tp`` kv heads.
     """
 
-    def __init__(self, config: DecoderConfig) -> None:
+    def __init__(self, config: DecoderConfig, fused: bool = True) -> None:
         super().__init__()
         h, d = config.hidden_size, config.head_dim
         self.head_dim = d
@@ -76,79 +79,102 @@ class Attention(nn.Module):
         self.k_proj = nn.Linear(h, config.num_key_value_heads * d, bias=bias)
         self.v_proj = nn.Linear(h, config.num_key_value_heads * d, bias=bias)
         self.o_proj = nn.Linear(config.num_attention_heads * d, h, bias=False)
+        self.qkv: Optional[FusedLinear] = FusedLinear(("q_proj", "k_proj", "v_proj")) if fused else None
         # Per-head norms act on (batch, seq, heads, head_dim): the strategy shards them over the heads dim under TP.
         self.q_norm: Optional[RMSNorm] = RMSNorm(d, config.rms_norm_eps) if config.qk_norm else None
         self.k_norm: Optional[RMSNorm] = RMSNorm(d, config.rms_norm_eps) if config.qk_norm else None
         # Causal attention over the local sequence and the tokens' global positions; a strategy may replace it.
         self.core = CausalAttention()
 
-    def _heads(self, projection: nn.Linear, norm: Optional[RMSNorm], x: Tensor) -> Tensor:
-        """(batch, heads, seq, head_dim) of one projection, normed per head first when the family norms it."""
-        batch, seq, _ = x.shape
-        out = projection(x).view(batch, seq, -1, self.head_dim)
+    def _heads(self, out: Tensor, norm: Optional[RMSNorm]) -> Tensor:
+        """(batch, heads, seq, head_dim) of one projection's output, normed per head first when the family norms
+        it."""
+        batch, seq, _ = out.shape
+        out = out.view(batch, seq, -1, self.head_dim)
         if norm is not None:
             out = norm(out)
         return out.transpose(1, 2)
 
-    def forward(self, x: Tensor, position_ids: Optional[Tensor] = None) -> Tensor:
-        batch, seq, _ = x.shape
-        q = self._heads(self.q_proj, self.q_norm, x)
-        k = self._heads(self.k_proj, self.k_norm, x)
-        v = self._heads(self.v_proj, None, x)
+    def _rotary(self, x: Tensor, q: Tensor, position_ids: Optional[Tensor],
+                rotary: Optional[tuple[Tensor, Tensor]]) -> tuple[Tensor, Tensor]:
+        """cos and sin for this layer: the model's tables made once per forward, or (``rotary`` not given: this
+        module used alone) computed here."""
+        if rotary is not None:
+            cos, sin = rotary
+            return (cos, sin) if cos.dtype == q.dtype else (cos.to(q.dtype), sin.to(q.dtype))
         if position_ids is None:
-            cos, sin = rotary_at(self.core.positions(seq, x.device), self.head_dim, self.rope_theta, q.dtype,
-                                 self.rope_scaling)
-            q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
-            out = self.core(q, k, v)
-        else:  # packed documents: RoPE at each token's position in its document, attention within it
-            cos, sin = rotary_at(position_ids, self.head_dim, self.rope_theta, q.dtype, self.rope_scaling)
-            cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
-            q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
-            out = self.core(q, k, v, position_ids=position_ids)
+            return rotary_at(self.core.positions(x.shape[1], x.device), self.head_dim, self.rope_theta, q.dtype,
+                             self.rope_scaling)
+        cos, sin = rotary_at(position_ids, self.head_dim, self.rope_theta, q.dtype, self.rope_scaling)
+        return cos.unsqueeze(1), sin.unsqueeze(1)
+
+    def forward(self, x: Tensor, position_ids: Optional[Tensor] = None,
+                rotary: Optional[tuple[Tensor, Tensor]] = None) -> Tensor:
+        """Attention of ``x`` (batch, seq, hidden); ``position_ids`` (batch, seq): packed documents (RoPE at each
+        token's position in its document, attention within it); ``rotary``: the model's cos and sin tables for
+        these positions (:class:`~lightning_hybrid.models.decoder.rope.RotaryTables`)."""
+        batch, seq, _ = x.shape
+        if self.qkv is not None:
+            q, k, v = self.qkv.run(self, x)
+        else:
+            q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
+        q, k, v = self._heads(q, self.q_norm), self._heads(k, self.k_norm), self._heads(v, None)
+        cos, sin = self._rotary(x, q, position_ids, rotary)
+        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        out = self.core(q, k, v) if position_ids is None else self.core(q, k, v, position_ids=position_ids)
         return self.o_proj(out.transpose(1, 2).reshape(batch, seq, -1))
 
 
 class MLP(nn.Module):
-    """SwiGLU: down(silu(gate(x)) * up(x)), no biases."""
+    """SwiGLU: down(silu(gate(x)) * up(x)), no biases; gate and up are one GEMM (``gate_up``, a
+    :class:`~lightning_hybrid.models.fused.FusedLinear`) unless ``fused=False`` (or ``gate_up`` set to ``None``)."""
 
-    def __init__(self, config: DecoderConfig) -> None:
+    def __init__(self, config: DecoderConfig, fused: bool = True) -> None:
         super().__init__()
         self.gate_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
         self.up_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
         self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
+        self.gate_up: Optional[FusedLinear] = FusedLinear(("gate_proj", "up_proj")) if fused else None
 
     def forward(self, x: Tensor) -> Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        if self.gate_up is not None:
+            gate, up = self.gate_up.run(self, x)
+        else:
+            gate, up = self.gate_proj(x), self.up_proj(x)
+        return self.down_proj(F.silu(gate) * up)
 
 
-def build_mlp(config: DecoderConfig, layer: int) -> nn.Module:
+def build_mlp(config: DecoderConfig, layer: int, fused: bool = True) -> nn.Module:
     """The MLP of block ``layer``, by the config's :meth:`~.config.DecoderConfig.mlp_kind`: the dense SwiGLU
-    :class:`MLP`, or a mixture of experts (:class:`~.moe.MoE`) in the sparse layers of a Qwen3-MoE.
+    :class:`MLP` (gate and up as one GEMM when ``fused``), or a mixture of experts (:class:`~.moe.MoE`, its experts'
+    own grouped GEMMs) in the sparse layers of a Qwen3-MoE.
 
     Raises:
         ValueError: a kind this core does not build.
     """
     kind = config.mlp_kind(layer)
     if kind == "dense":
-        return MLP(config)
+        return MLP(config, fused)
     if kind == "experts":
         return MoE(config)
     raise ValueError(f"mlp kind {kind!r} of layer {layer} is not built by this decoder core; use 'dense' or 'experts'")
 
 
 class DecoderBlock(nn.Module):
-    """Pre-norm decoder block: x + attn(norm(x)), then + mlp(norm(.))."""
+    """Pre-norm decoder block: x + attn(norm(x)), then + mlp(norm(.)); ``fused``: q/k/v and gate/up as one GEMM
+    each."""
 
-    def __init__(self, config: DecoderConfig, layer: int = 0) -> None:
+    def __init__(self, config: DecoderConfig, layer: int = 0, fused: bool = True) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.self_attn = Attention(config)
+        self.self_attn = Attention(config, fused)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.mlp = build_mlp(config, layer)
+        self.mlp = build_mlp(config, layer, fused)
 
-    def forward(self, x: Tensor, position_ids: Optional[Tensor] = None) -> Tensor:
-        # position_ids goes by keyword: TP's input preparation of the attention module then leaves it alone.
-        x = x + self.self_attn(self.input_layernorm(x), position_ids=position_ids)
+    def forward(self, x: Tensor, position_ids: Optional[Tensor] = None,
+                rotary: Optional[tuple[Tensor, Tensor]] = None) -> Tensor:
+        # position_ids and rotary go by keyword: TP's input preparation of the attention module leaves them alone.
+        x = x + self.self_attn(self.input_layernorm(x), position_ids=position_ids, rotary=rotary)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -157,14 +183,19 @@ class Decoder(nn.Module):
     (batch, seq, vocab).
 
     Parameter names are the Hugging Face ones without the ``model.`` prefix
-    (``layers.57.mlp.up_proj.weight``); ``layers`` is keyed by the global block index.
+    (``layers.57.mlp.up_proj.weight``); ``layers`` is keyed by the global block index. The rotary tables are made
+    once per forward (``rotary``, a :class:`~lightning_hybrid.models.decoder.rope.RotaryTables`; set to ``None``,
+    each attention layer makes its own). ``fused_projections``: q/k/v and gate/up run as one GEMM each (same
+    parameters and names; ``False`` only to measure the difference).
     """
 
-    def __init__(self, config: DecoderConfig) -> None:
+    def __init__(self, config: DecoderConfig, fused_projections: bool = True) -> None:
         super().__init__()
         self.config = config
         self.embed_tokens: Optional[nn.Embedding] = nn.Embedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleDict({str(i): DecoderBlock(config, i) for i in range(config.num_hidden_layers)})
+        self.rotary: Optional[RotaryTables] = RotaryTables(config.head_dim, config.rope_theta, config.rope_scaling)
+        self.layers = nn.ModuleDict({str(i): DecoderBlock(config, i, fused_projections)
+                                     for i in range(config.num_hidden_layers)})
         self.norm: Optional[RMSNorm] = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.lm_head: Optional[nn.Linear] = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         if config.tie_word_embeddings:
@@ -174,8 +205,13 @@ class Decoder(nn.Module):
         """Logits of ``input_ids`` (or the hidden states a pipeline stage passes on); ``position_ids`` (batch, seq)
         restarting at 0 at each document makes every token attend only within its document."""
         h = self.embed_tokens(input_ids) if self.embed_tokens is not None else input_ids
+        kwargs = {} if position_ids is None else {"position_ids": position_ids}
+        if self.rotary is not None and len(self.layers) > 0:
+            # One table for every block of this model or stage, at the positions its attention core gives.
+            core = next(iter(self.layers.values())).self_attn.core
+            kwargs["rotary"] = self.rotary(h, position_ids=position_ids, core=core)
         for block in self.layers.values():
-            h = block(h) if position_ids is None else block(h, position_ids=position_ids)
+            h = block(h, **kwargs)
         h = self.norm(h) if self.norm is not None else h
         return self.lm_head(h) if self.lm_head is not None else h
 

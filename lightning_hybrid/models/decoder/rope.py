@@ -7,14 +7,14 @@ order), so the tables, and the logits of a loaded checkpoint, equal the referenc
 from __future__ import annotations
 
 import math
-from typing import Optional
+from typing import Any, Optional
 
 import torch
-from torch import Tensor
+from torch import Tensor, nn
 
 from lightning_hybrid.models.decoder.families import RopeScaling
 
-__all__ = ["inverse_frequencies", "rotary_tables", "rotary_at", "apply_rotary"]
+__all__ = ["inverse_frequencies", "rotary_tables", "rotary_at", "apply_rotary", "RotaryTables"]
 
 
 def inverse_frequencies(head_dim: int, theta: float, device: Optional[torch.device] = None,
@@ -87,3 +87,37 @@ def apply_rotary(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
     half = x.shape[-1] // 2
     rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
     return x * cos + rotated * sin
+
+
+class RotaryTables(nn.Module):
+    """cos and sin at the positions in use, made once per forward of a model (or of a pipeline stage) and passed to
+    every attention layer, instead of once per layer.
+
+    ``tables(hidden, position_ids=None, core=None)``: with ``position_ids`` (batch, seq), a packed batch's positions
+    restarting at each document, tables of shape (batch, 1, seq, head_dim); else the positions the attention
+    ``core`` gives for the ``hidden.shape[1]`` tokens of the sequence (``0 .. seq-1``, or this rank's head and tail
+    chunks under context parallelism), tables of shape (seq, head_dim). The values are :func:`rotary_at`'s, in the
+    dtype the projections compute in (autocast's when it is on), so each layer gets what it computed before.
+
+    Holds no parameter or buffer. Under sequence parallelism a strategy hands it the hidden states as a sequence
+    shard that knows its global length (the tables cover the whole sequence the attention sees).
+    """
+
+    def __init__(self, head_dim: int, theta: float, scaling: Optional[RopeScaling] = None) -> None:
+        super().__init__()
+        self.head_dim, self.theta, self.scaling = head_dim, theta, scaling
+
+    def forward(self, hidden: Tensor, position_ids: Optional[Tensor] = None, core: Any = None) -> tuple[Tensor, Tensor]:
+        device = hidden.device
+        dtype = hidden.dtype
+        if device.type in ("cpu", "cuda") and torch.is_autocast_enabled(device.type):
+            dtype = torch.get_autocast_dtype(device.type)
+        if position_ids is not None:
+            cos, sin = rotary_at(position_ids, self.head_dim, self.theta, dtype, self.scaling)
+            return cos.unsqueeze(1), sin.unsqueeze(1)
+        seq = hidden.shape[1]
+        positions = core.positions(seq, device) if core is not None else torch.arange(seq, device=device)
+        return rotary_at(positions, self.head_dim, self.theta, dtype, self.scaling)
+
+    def extra_repr(self) -> str:
+        return f"head_dim={self.head_dim}, theta={self.theta}, scaling={self.scaling}"
