@@ -150,7 +150,7 @@ def test_full_recompute_keeps_each_block_input_in_the_dtype_of_the_weights_the_f
     layout = Layout(8, 2, 8, "fsdp", 1, 16, "1f1b", recompute="full", sequence_parallel=True)
     assert residual_stream_bytes(p, fsdp=True) == 2
     assert layout_shape(p, layout).activations.layer == 2 * QWEN72.hidden_size / 8
-    # 2 in flight, each: 40 bf16 block inputs of 8,192 / 8 per token, the embedding's ids, the stage's bf16 rotary tables
+    # 2 in flight, each: 40 bf16 block inputs of 8,192 / 8 per token, the embedding's ids, the bf16 rotary tables
     rotary = 2 * QWEN72.head_dim * 2
     assert rank_memory_breakdown(p, layout, 0)["activations"] == 2 * (40 * 2 * 1024 + 8 + rotary) * 32768
     bf16_weights = replace(p, runtime=replace(p.runtime, low_precision_params=True))
