@@ -156,3 +156,28 @@ def test_op_selective_recompute_with_ep_spanning_the_data_ranks_is_refused_and_n
                       recompute=("none", "selective", "full"))
     assert [x.recompute for x in layouts(1, 1, 2, 4, choices, ep=2)] == ["none", "full"]
     assert [x.recompute for x in layouts(1, 1, 4, 4, choices, ep=2)] == ["none", "selective", "full"]
+
+
+@pytest.mark.parametrize("sequence_parallel, traced", [
+    (False, {"all_reduce": [23, 3159040]}),
+    (True, {"all_gather": [18, 4718592], "all_reduce": [20, 15616], "reduce_scatter": [12, 3145728]}),
+])
+def test_tp_collectives_of_a_moe_with_fused_projections_are_those_its_dry_run_traced(sequence_parallel, traced):
+    """tiny-moe at tp=2 x dp=2 with ep=2, fused projections, loss parallel: ``traced`` is what `lightning-hybrid
+    dry-run` traced for recipes/tiny-moe-cpu.yaml with ``tp: 2`` (and ``sequence_parallel: true``), recorded. A sparse
+    block has no dense MLP: without sequence parallel it issues 2 TP all-reduces (o_proj forward, the fused q/k/v
+    input gradient), a dense block 4 (o_proj, down_proj, fused q/k/v, fused gate/up)."""
+    from lightning_hybrid.hardware import SYSTEM_GPUS
+    from lightning_hybrid.planner.collectives import predicted_collectives
+    from lightning_hybrid.planner.layout import Layout, Problem
+    from lightning_hybrid.planner.runtime import runtime_from_options
+    from lightning_hybrid.planner.step_time import Hardware
+
+    problem = Problem(Qwen2Config.resolve("tiny-moe"), Hardware(SYSTEM_GPUS["h100"], 4, 4), 128, 16, "32-true",
+                      runtime=runtime_from_options({}, "32-true"))
+    layout = Layout(tp=2, pp=1, dp=2, data_parallel="fsdp", micro_batch_size=8, microbatches=1,
+                    sequence_parallel=sequence_parallel, ep=2)
+    assert predicted_collectives(problem, layout, 0, loss_parallel=True)["tp"] == traced
+    if not sequence_parallel:  # unfused: 3 + 2 more input-gradient all-reduces per dense block, 2 per sparse one
+        unfused = replace(problem, runtime=replace(problem.runtime, fused_projections=False))
+        assert predicted_collectives(unfused, layout, 0, loss_parallel=True)["tp"]["all_reduce"][0] == 23 + 3 + 3 * 2
