@@ -18,7 +18,7 @@ from torch import Tensor, nn
 from lightning_hybrid.models.attention import CausalAttention
 from lightning_hybrid.models.decoder.config import DecoderConfig, parallel_spec
 from lightning_hybrid.models.decoder.moe import MoE
-from lightning_hybrid.models.decoder.rope import RotaryTables, apply_rotary, rotary_at
+from lightning_hybrid.models.decoder.rope import RotaryTables, apply_rotary, rotary_for
 from lightning_hybrid.models.fused import FusedLinear
 from lightning_hybrid.models.spec import IGNORE_INDEX, ParallelSpec
 
@@ -102,11 +102,8 @@ class Attention(nn.Module):
         if rotary is not None:
             cos, sin = rotary
             return (cos, sin) if cos.dtype == q.dtype else (cos.to(q.dtype), sin.to(q.dtype))
-        if position_ids is None:
-            return rotary_at(self.core.positions(x.shape[1], x.device), self.head_dim, self.rope_theta, q.dtype,
-                             self.rope_scaling)
-        cos, sin = rotary_at(position_ids, self.head_dim, self.rope_theta, q.dtype, self.rope_scaling)
-        return cos.unsqueeze(1), sin.unsqueeze(1)
+        return rotary_for(x.shape[1], x.device, q.dtype, self.head_dim, self.rope_theta, self.rope_scaling,
+                          position_ids, self.core)
 
     def forward(self, x: Tensor, position_ids: Optional[Tensor] = None,
                 rotary: Optional[tuple[Tensor, Tensor]] = None) -> Tensor:

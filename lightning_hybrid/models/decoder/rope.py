@@ -14,7 +14,7 @@ from torch import Tensor, nn
 
 from lightning_hybrid.models.decoder.families import RopeScaling
 
-__all__ = ["inverse_frequencies", "rotary_tables", "rotary_at", "apply_rotary", "RotaryTables"]
+__all__ = ["inverse_frequencies", "rotary_tables", "rotary_at", "rotary_for", "apply_rotary", "RotaryTables"]
 
 
 def inverse_frequencies(head_dim: int, theta: float, device: Optional[torch.device] = None,
@@ -89,6 +89,19 @@ def apply_rotary(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
     return x * cos + rotated * sin
 
 
+
+def rotary_for(seq: int, device: torch.device, dtype: torch.dtype, head_dim: int, theta: float,
+               scaling: Optional[RopeScaling] = None, position_ids: Optional[Tensor] = None,
+               core: Any = None) -> tuple[Tensor, Tensor]:
+    """cos and sin for a sequence of ``seq`` tokens: with ``position_ids`` (batch, seq), a packed batch's positions
+    restarting at each document, of shape (batch, 1, seq, head_dim); else at the positions the attention ``core``
+    gives (``0 .. seq-1``, or this rank's head and tail chunks under context parallelism), of shape (seq, head_dim)."""
+    if position_ids is not None:
+        cos, sin = rotary_at(position_ids, head_dim, theta, dtype, scaling)
+        return cos.unsqueeze(1), sin.unsqueeze(1)
+    positions = core.positions(seq, device) if core is not None else torch.arange(seq, device=device)
+    return rotary_at(positions, head_dim, theta, dtype, scaling)
+
 class RotaryTables(nn.Module):
     """cos and sin at the positions in use, made once per forward of a model (or of a pipeline stage) and passed to
     every attention layer, instead of once per layer.
@@ -112,12 +125,7 @@ class RotaryTables(nn.Module):
         dtype = hidden.dtype
         if device.type in ("cpu", "cuda") and torch.is_autocast_enabled(device.type):
             dtype = torch.get_autocast_dtype(device.type)
-        if position_ids is not None:
-            cos, sin = rotary_at(position_ids, self.head_dim, self.theta, dtype, self.scaling)
-            return cos.unsqueeze(1), sin.unsqueeze(1)
-        seq = hidden.shape[1]
-        positions = core.positions(seq, device) if core is not None else torch.arange(seq, device=device)
-        return rotary_at(positions, self.head_dim, self.theta, dtype, self.scaling)
+        return rotary_for(hidden.shape[1], device, dtype, self.head_dim, self.theta, self.scaling, position_ids, core)
 
     def extra_repr(self) -> str:
         return f"head_dim={self.head_dim}, theta={self.theta}, scaling={self.scaling}"
