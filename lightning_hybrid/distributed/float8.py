@@ -35,7 +35,7 @@ import torch
 from torch import Tensor, nn
 
 from lightning_hybrid.models.fused import FusedLinear
-from lightning_hybrid.models.spec import ParallelSpec
+from lightning_hybrid.models.spec import ParallelSpec, held_block_plan, holds
 
 __all__ = ["FLOAT8_EMULATE_ENV", "float8_device_error", "check_float8_device", "convert_float8", "float8_skipped",
            "float8_tp_plan", "precompute_float8_scales", "uses_fsdp_float8_all_gather", "Float8FusedLinear"]
@@ -86,7 +86,7 @@ def float8_skipped(module: nn.Module, spec: ParallelSpec, recipe: str, tp: int) 
     skipped = {}
     for index, block in (getattr(module, spec.blocks, None) or {}).items():
         shape = {}
-        for name, style in _held_plan(block, spec).items():
+        for name, style in held_block_plan(spec, block).items():
             linear = block.get_submodule(name)
             # The sharded dimension is divided over tp: colwise splits the output, rowwise the input.
             out_f = linear.out_features // (tp if style == "colwise" else 1)
@@ -95,8 +95,8 @@ def float8_skipped(module: nn.Module, spec: ParallelSpec, recipe: str, tp: int) 
                 shape[name] = f"{in_f}x{out_f} per rank is not a multiple of {divisor}"
         # a fused group runs fused under float8 only when all its parts are converted
         fused = {part for group, parts in spec.fused_projections.items()
-                 if _held(block, group) and not shape.keys() & set(parts) for part in parts}
-        for name in _held_plan(block, spec):
+                 if holds(block, group) and not shape.keys() & set(parts) for part in parts}
+        for name in held_block_plan(spec, block):
             if name not in shape and recipe == "mxfp8" and block.get_submodule(name).bias is not None \
                     and name not in fused:
                 shape[name] = "a bias (torchao's MXFP8 linear would drop it)"
@@ -116,7 +116,7 @@ def convert_float8(module: nn.Module, spec: ParallelSpec, recipe: str, tp: int, 
     """
     skipped = float8_skipped(module, spec, recipe, tp)
     blocks = getattr(module, spec.blocks, None) or {}
-    targets = [f"{spec.blocks}.{i}.{name}" for i, block in blocks.items() for name in _held_plan(block, spec)]
+    targets = [f"{spec.blocks}.{i}.{name}" for i, block in blocks.items() for name in held_block_plan(spec, block)]
     chosen = [name for name in targets if name not in skipped]
     if skipped and tuple(skipped) not in _LOGGED:
         _LOGGED.add(tuple(skipped))
@@ -216,15 +216,6 @@ def _all_float8(module: nn.Module) -> bool:
 
 
 
-def _held(block: nn.Module, name: str) -> bool:
-    owner, _, attr = name.rpartition(".")
-    return getattr(block.get_submodule(owner) if owner else block, attr, None) is not None
-
-
-def _held_plan(block: nn.Module, spec: ParallelSpec) -> dict[str, str]:
-    """The entries of ``spec.block_plan`` that ``block`` holds (a mixture-of-experts block has no dense MLP)."""
-    return {name: style for name, style in spec.block_plan.items() if _held(block, name)}
-
 
 def _float8_part(linear: nn.Module) -> Optional[Any]:
     """What runs ``linear``'s float8 GEMM: its ``Float8Linear`` (tensorwise, rowwise), its MXFP8 weight's config, or
@@ -243,7 +234,7 @@ def _fuse_float8(module: nn.Module, spec: ParallelSpec, recipe: str, fsdp: bool)
     unfused = []
     for index, block in (getattr(module, spec.blocks, None) or {}).items():
         for name, parts in spec.fused_projections.items():
-            if not _held(block, name):
+            if not holds(block, name):
                 continue
             owner_name, _, attr = name.rpartition(".")
             owner = block.get_submodule(owner_name) if owner_name else block

@@ -30,7 +30,7 @@ from torch.distributed.tensor import DTensor, Partial, Placement, Replicate
 from torch.distributed.tensor.parallel import ParallelStyle
 
 from lightning_hybrid.distributed.parallel_dims import tied_embedding_error
-from lightning_hybrid.models.spec import ParallelSpec
+from lightning_hybrid.models.spec import ParallelSpec, holds
 
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
@@ -166,16 +166,10 @@ def apply_tensor_parallel(model: nn.Module, spec: ParallelSpec, tp_mesh: "Device
     blocks = getattr(model, spec.blocks)
     per_block = block_plan(spec, sequence_parallel)
     for block in blocks.values():
-        held = {name: style for name, style in per_block.items() if _holds(block, name)}
+        held = {name: style for name, style in per_block.items() if holds(block, name)}
         parallelize_module(block, tp_mesh, adjust_plan(held, block) if adjust_plan else held)
 
 
-def _holds(block: nn.Module, name: str) -> bool:
-    """Whether ``block`` holds a submodule at the dotted ``name`` (a fused module a block runs without is ``None``)."""
-    module: Any = block
-    for part in name.split("."):
-        module = getattr(module, part, None)
-    return isinstance(module, nn.Module)
 
 
 def _loss_ops_enabled() -> bool:

@@ -15,7 +15,8 @@ from typing import TYPE_CHECKING, Any, Optional
 if TYPE_CHECKING:
     from torch import Tensor
 
-__all__ = ["ParallelSpec", "TP_STYLES", "IGNORE_INDEX", "EXPERTS_LAYER", "declared_spec", "token_mean_loss",
+__all__ = ["ParallelSpec", "holds", "held_block_plan",
+           "TP_STYLES", "IGNORE_INDEX", "EXPERTS_LAYER", "declared_spec", "token_mean_loss",
            "is_experts_layer", "experts_layers"]
 
 # Label value that the loss ignores (padding, prompt tokens), as in torch's cross_entropy and Hugging Face.
@@ -120,6 +121,20 @@ class ParallelSpec:
             if not parts or any(self.block_plan.get(part) != "colwise" for part in parts):
                 raise ValueError(f"fused_projections[{fused!r}]={parts!r}: each part must be a 'colwise' entry of "
                                  f"block_plan")
+
+
+def holds(block: Any, name: str) -> bool:
+    """Whether ``block`` holds a submodule at the dotted ``name`` (a block of a mixture of experts has no dense MLP; a
+    fused module a block runs without is ``None``)."""
+    module = block
+    for part in name.split("."):
+        module = getattr(module, part, None)
+    return module is not None
+
+
+def held_block_plan(spec: ParallelSpec, block: Any) -> dict[str, str]:
+    """The entries of ``spec.block_plan`` that ``block`` holds."""
+    return {name: style for name, style in spec.block_plan.items() if holds(block, name)}
 
 
 def declared_spec(module: Any) -> Optional[ParallelSpec]:
